@@ -1,0 +1,71 @@
+"""Attention over the paged KV cache, in plain torch (the reference path).
+
+The K and V pools of a layer are `[num_blocks, block_size, N_kv, H]`; seen as
+`[num_slots, N_kv * H]`, a request's history is gathered with one `index_select`
+(far faster on CPU than advanced indexing). Query heads are folded per KV head,
+`[N_kv, g·m, H]`, so one SDPA call serves all g query heads of a KV head without
+repeating K/V (the GQA read pattern of the seed's §3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the new positions' K/V ([T, N_kv, H]) in their slots before anyone attends."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of the pool at these slots: [..., N_kv, H]."""
+    num_kv_heads, head_dim = pool.shape[-2], pool.shape[-1]
+    flat = pool.view(-1, num_kv_heads * head_dim).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, num_kv_heads, head_dim)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [B, N_q, H], one new position per request → [B, N_q, H]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[-2]
+    g = num_heads // num_kv_heads
+    k = gather(k_pool, meta.decode_slots).permute(0, 2, 1, 3)  # [B, N_kv, S, H]
+    v = gather(v_pool, meta.decode_slots).permute(0, 2, 1, 3)
+    qg = q.view(batch, num_kv_heads, g, head_dim)  # g query heads of a KV head as g "rows"
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def prefill_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """Each segment's m queries attend to its S0 cached + m new positions (rectangular mask)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[-2]
+    g = num_heads // num_kv_heads
+    for seg in meta.prefills:
+        m = seg.num_new
+        qs = q[seg.query_start : seg.query_start + m]  # [m, N_q, H]
+        # [N_kv, g·m, H]: row r = (query head h % g, position r % m)
+        qf = qs.view(m, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, g * m, head_dim)
+        k = gather(k_pool, seg.context_slots).transpose(0, 1)  # [N_kv, S0+m, H]
+        v = gather(v_pool, seg.context_slots).transpose(0, 1)
+        mask = None if seg.causal_mask is None else seg.causal_mask.repeat(g, 1)
+        o = F.scaled_dot_product_attention(qf.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)
+        o = o.view(num_kv_heads, g, m, head_dim).permute(2, 0, 1, 3).reshape(m, num_heads, head_dim)
+        out[seg.query_start : seg.query_start + m] = o
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H]."""
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale)
+    if meta.prefills:
+        prefill_attention(q, k_pool, v_pool, meta, scale, out)
+    return out

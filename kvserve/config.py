@@ -1,0 +1,101 @@
+"""Engine configuration, validated once at the edge; inner code trusts it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from kvserve.errors import ConfigError
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(field: str, value: str | int) -> int:
+    """'1GiB', '512MiB', '2e9'/'2000000000' → bytes."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        try:
+            return int(float(value))
+        except ValueError:
+            raise ConfigError(field, f"expected a size in bytes such as 1GiB or 512MiB, got {value!r}") from None
+    number, unit = match.groups()
+    unit = (unit or "").lower().rstrip("b")
+    return int(float(number) * _UNITS[unit])
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:
+        return False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda was asked for but torch sees no CUDA device")
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError("device", f"must be auto, cpu or cuda[:N], got {device!r}")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        # bf16 halves the weight bytes read per decode step, where the CPU computes it natively
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError("dtype", f"must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    model: str | None = None  # None = the default model
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_memory: int | str = "1GiB"  # bytes of K/V pool
+    block_size: int = 16
+    max_model_len: int | None = None  # default: the model's context, capped by the pool
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # running requests at most
+    long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step; 0 = none
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 0  # 0 = unbounded
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
+        if self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError("block_size", f"must be a power of two in [1, 256], got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold", f"must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_waiting_requests < 0:
+            raise ConfigError("max_waiting_requests", f"must be >= 0, got {self.max_waiting_requests}")
+        if self.num_threads < 0:
+            raise ConfigError("num_threads", f"must be >= 0, got {self.num_threads}")
+        self.torch_device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)

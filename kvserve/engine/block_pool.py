@@ -1,0 +1,92 @@
+"""The physical KV blocks: reference counts, the free queue, and the prefix-cache index.
+
+One owner for block state, as in vLLM v1: the free queue doubles as the LRU of cached
+blocks. A freed block keeps its hash and stays findable until it reaches the head of the
+queue and is handed out again (evicted). Blocks shared by several requests are stored once
+and counted by `ref_cnt`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # head = least recently freed = next to evict
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def get_new_blocks(self, count: int) -> list[KVBlock]:
+        if count > len(self._free):
+            raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")  # caller checks first
+        out = []
+        for _ in range(count):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits; a free one leaves the eviction queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_in_eviction_order: list[KVBlock]) -> None:
+        for block in blocks_in_eviction_order:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # another request computed the same block first; this copy stays private
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        return True

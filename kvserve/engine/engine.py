@@ -1,0 +1,303 @@
+"""LLMEngine: add requests, step, get outputs. A step reads aloud as schedule, run, update.
+
+Synchronous by design; the server drives it from its own thread (engine/async_engine.py),
+the offline `LLM` calls `step()` until everything is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.model_runner import ModelRunner, plan_kv_pool
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import Sampler
+from kvserve.engine.scheduler import Scheduler
+from kvserve.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Parent:
+    """One user request: n samples of one prompt, reported together."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    sent_tokens: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    """Monotonic totals, for metrics."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = dataclasses.field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = loaded or load_model(config.model, config.torch_dtype)
+        self.model_name = loaded.name
+        self.arch = arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.load_seconds = loaded.load_seconds
+        self.loaded_from_cache = loaded.from_cache
+
+        layout = plan_kv_pool(arch, config.torch_dtype, config.kv_cache_memory, config.block_size)
+        if layout.num_blocks < 1:
+            need = layout.kv_bytes_per_position * config.block_size
+            raise ConfigError("kv_cache_memory", f"{config.kv_cache_memory} bytes hold no block; at least {need} needed")
+        model_len = arch.max_position_embeddings
+        if arch.sliding_window and arch.sliding_window < model_len:
+            model_len = arch.sliding_window  # beyond the window, full attention would differ from the model's
+        if config.max_model_len is not None:
+            if config.max_model_len > model_len:
+                raise ConfigError("max_model_len", f"{config.max_model_len} exceeds the model's context of {model_len}")
+            if config.max_model_len > layout.num_tokens:
+                raise ConfigError(
+                    "max_model_len",
+                    f"{config.max_model_len} positions do not fit the KV pool of {layout.num_tokens} "
+                    f"({config.kv_cache_memory} bytes); raise kv_cache_memory or lower max_model_len",
+                )
+            model_len = config.max_model_len
+        # one request must always fit the pool alone, so preemption can always make progress
+        self.max_model_len = min(model_len, layout.num_tokens)
+        self.layout = layout
+
+        model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1)
+        loaded.weights.clear()
+        self.model = model.to(config.torch_device)
+        self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.runner = ModelRunner(self.model, layout, config.torch_device)
+        self.sampler = Sampler()
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, _Parent] = {}
+        self.counters = EngineCounters()
+        self._next_id = 0
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        vocab = self.arch.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})", "prompt")
+        return ids
+
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens, more than max_model_len={self.max_model_len}",
+                "prompt",
+            )
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = self.new_request_id() if request_id is None else request_id
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        params.check_vocab(self.arch.vocab_size)
+        prompt_ids = self.tokenize_prompt(prompt)
+        self.check_prompt_length(len(prompt_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children: list[Request] = []
+        for i in range(params.n):
+            children.append(
+                Request(
+                    request_id if params.n == 1 else f"{request_id}#{i}",
+                    prompt_ids,
+                    params,
+                    eos_token_ids=self.tokenizer.eos_token_ids,
+                    arrival_time=arrival,
+                    block_size=self.config.block_size,
+                    cache_salt=cache_salt,
+                    max_model_len=self.max_model_len,
+                    leader=children[0] if i else None,
+                    sample_index=i,
+                )
+            )
+        parent = _Parent(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=prompt_ids,
+            children=children,
+            detokenizers=[IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in children],
+            sent_tokens=[0] * len(children),
+        )
+        self._parents[request_id] = parent
+        for child in children:
+            self._children[child.request_id] = parent
+            self.scheduler.add_request(child)
+        self.counters.prompt_tokens += len(prompt_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Free everything the request holds, at any point of its life; others are untouched."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                self.counters.finished["abort"] += 1
+        return self._emit(parent)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        batch = self.runner.prepare(plan.scheduled, {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in plan.scheduled})
+        logits = self.runner.execute(batch)
+        sampled = self.sampler(logits, [s.request for s in batch.sampling]) if batch.sampling else None
+        return self._update(plan.scheduled, batch.sampling, sampled)
+
+    def _update(self, scheduled, sampling, sampled) -> list[RequestOutput]:
+        now = time.monotonic()
+        self.counters.steps += 1
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        touched: dict[str, _Parent] = {}
+        for row, s in enumerate(sampling):
+            req = s.request
+            token = sampled.token_ids[row]
+            req.append_output_token(token)
+            if req.timing.first_token is None:
+                req.timing.first_token = now
+            req.timing.token_times.append(now)
+            if sampled.logprobs[row] is not None:
+                req.logprobs.append(sampled.logprobs[row])
+                req.cumulative_logprob += sampled.sampled_logprobs[row]
+            parent = self._children[req.request_id]
+            self.counters.generation_tokens += 1
+            status = self._check_stop(req, parent.detokenizers[req.sample_index], token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                self.counters.finished[status.value] += 1
+            touched[parent.request_id] = parent
+        return [self._emit(p) for p in touched.values()]
+
+    def _check_stop(self, req: Request, detok: IncrementalDetokenizer, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        past_min = req.num_output_tokens >= params.min_tokens
+        stop_string = detok.add_token(token, check_stop=past_min)
+        if past_min:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if stop_string is not None:
+                req.stop_reason = stop_string
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _emit(self, parent: _Parent) -> RequestOutput:
+        outputs = []
+        for i, child in enumerate(parent.children):
+            detok = parent.detokenizers[i]
+            start = parent.sent_tokens[i]
+            parent.sent_tokens[i] = child.num_output_tokens
+            want_logprobs = child.sampling_params.logprobs is not None
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.output_text,
+                    token_ids=list(child.output_token_ids),
+                    cumulative_logprob=child.cumulative_logprob if want_logprobs else None,
+                    logprobs=list(child.logprobs) if want_logprobs else None,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                    delta_text=detok.take_delta(child.is_finished),
+                    delta_token_ids=child.output_token_ids[start:],
+                    delta_logprobs=child.logprobs[start:] if want_logprobs else None,
+                )
+            )
+        finished = parent.finished
+        if finished:
+            del self._parents[parent.request_id]
+            for child in parent.children:
+                self._children.pop(child.request_id, None)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=parent.children[0].num_cached_tokens,
+            timings=[c.timing for c in parent.children],
+        )
+
+    # ---- introspection -------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def describe(self) -> str:
+        """The start-up report: model, dtype, KV pool size and c_kv."""
+        layout = self.layout
+        return (
+            f"model {self.model_name} ({self.arch.architecture}, {self.arch.num_layers} layers, "
+            f"{self.arch.num_heads} query / {self.arch.num_kv_heads} KV heads, g={self.arch.queries_per_kv_head}) "
+            f"dtype {str(self.model.dtype).removeprefix('torch.')} on {self.config.torch_device}; "
+            f"KV cache: {layout.num_blocks} blocks x {layout.block_size} = {layout.num_tokens} tokens, "
+            f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
+            f"max_model_len {self.max_model_len}; loaded in {self.load_seconds:.1f}s"
+            f"{' (cached weights)' if self.loaded_from_cache else ''}"
+        )

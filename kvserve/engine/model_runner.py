@@ -1,0 +1,137 @@
+"""ModelRunner: owns the model and the KV pool tensors; turns a SchedulerOutput into one
+forward pass and the logits of the positions that sample.
+
+The flat batch puts requests with one new position (decodes, m = 1) first, so their
+attention runs as one batched call; requests with m > 1 (prefill chunks, over any cached
+history S0) follow as segments with the rectangular causal mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_mask
+from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.model.arch import ModelArchitecture
+from kvserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class KVPoolLayout:
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_position: int  # c_kv
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * self.kv_bytes_per_position
+
+
+def plan_kv_pool(arch: ModelArchitecture, kv_dtype: torch.dtype, memory_bytes: int, block_size: int) -> KVPoolLayout:
+    c_kv = arch.kv_bytes_per_position(torch.empty((), dtype=kv_dtype).element_size())
+    num_blocks = memory_bytes // (c_kv * block_size)
+    return KVPoolLayout(num_blocks=int(num_blocks), block_size=block_size, kv_bytes_per_position=c_kv)
+
+
+@dataclasses.dataclass
+class StepBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sampling: list[ScheduledRequest]  # in the order of logits_indices
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, layout: KVPoolLayout, device: torch.device):
+        self.model = model
+        self.layout = layout
+        self.device = device
+        arch = model.arch
+        shape = (layout.num_blocks, layout.block_size, arch.num_kv_heads, arch.head_dim)
+        # one allocation for all layers' K and V: [2, L, blocks, block_size, N_kv, H]
+        self.kv_pool = torch.zeros((2, arch.num_layers, *shape), dtype=model.dtype, device=device)
+        model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
+
+    def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepBatch:
+        bs = self.layout.block_size
+        ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in ordered if s.num_new_tokens == 1]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        prefills: list[PrefillSegment] = []
+        for s in ordered:
+            req, start, m = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = block_tables[req.request_id]
+            query_start = len(input_ids)
+            input_ids.extend(req.all_token_ids[start : start + m])
+            positions.extend(range(start, start + m))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + m))
+            if m > 1:
+                ctx = torch.arange(start + m)
+                slots = torch.tensor(table, dtype=torch.long)[ctx // bs] * bs + ctx % bs
+                prefills.append(
+                    PrefillSegment(
+                        query_start=query_start,
+                        num_new=m,
+                        num_cached=start,
+                        context_slots=slots.to(self.device),
+                        causal_mask=rectangular_causal_mask(start, m).to(self.device),
+                    )
+                )
+            if s.samples:
+                logits_indices.append(query_start + m - 1)
+                sampling.append(s)
+
+        decode_slots = decode_mask = decode_lens = decode_tables = None
+        if decodes:
+            lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
+            max_len = int(lens.max())
+            max_blocks = -(-max_len // bs)
+            tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+            for row, s in enumerate(decodes):
+                t = block_tables[s.request.request_id][:max_blocks]
+                tables[row, : len(t)] = torch.tensor(t)
+            ctx = torch.arange(max_len)
+            decode_slots = (tables[:, ctx // bs] * bs + ctx % bs).to(self.device)
+            decode_mask = (ctx.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len).to(self.device)
+            decode_lens = lens.to(torch.int32).to(self.device)
+            decode_tables = tables.to(torch.int32).to(self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            num_decodes=len(decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            decode_context_lens=decode_lens,
+            decode_block_tables=decode_tables,
+            prefills=prefills,
+        )
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            sampling=sampling,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """One forward pass; returns fp32 logits [R, V] for the sampling rows, on the CPU."""
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if not batch.sampling:
+            return torch.empty((0, self.model.arch.vocab_size))
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).cpu()

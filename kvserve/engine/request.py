@@ -1,0 +1,162 @@
+"""A request's life in the engine: its tokens, how many have KV, its blocks' hashes, its timing.
+
+`num_tokens` counts every known token (prompt + sampled); `num_computed_tokens` counts those
+whose K/V are in the cache. A freshly sampled token is known but not yet computed: it gets
+its KV when a later step feeds it through the model (the seed's §1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import time
+from array import array
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass
+class RequestTiming:
+    """Monotonic timestamps (seconds); the latency figures the server and benchmarks report."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def queue_time_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+def hash_block(parent: bytes | None, token_ids, extra_keys: bytes = b"") -> bytes:
+    """A block's identity: its parent's hash, its token ids and any extra keys (cache salt)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra_keys)
+    return h.digest()
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        block_size: int = 16,
+        cache_salt: str | None = None,
+        max_model_len: int | None = None,
+        leader: "Request | None" = None,
+        sample_index: int = 0,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit on first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.timing = RequestTiming(arrival=time.monotonic() if arrival_time is None else arrival_time)
+        self.block_size = block_size
+        self._extra_keys = (cache_salt or "").encode()
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+        # samples of one prompt (n > 1) wait for the first to prefill, then share its blocks
+        self.leader = leader
+        self.sample_index = sample_index
+        self.max_model_len = max_model_len
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        seed = sampling_params.seed
+        if seed is not None:
+            self.generator: torch.Generator | None = torch.Generator().manual_seed((seed + sample_index) % 2**63)
+        else:
+            self.generator = None
+        self.output_counts: dict[int, int] = {}  # for presence/frequency penalties
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def is_ready(self) -> bool:
+        """A sample of an n > 1 request enters once the first sample's prompt is computed."""
+        leader = self.leader
+        return leader is None or leader.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self._all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            extra = self._extra_keys if i == 0 else b""
+            self.block_hashes.append(hash_block(parent, self._all_token_ids[i * bs : (i + 1) * bs], extra))

@@ -1,0 +1,124 @@
+"""Turns each sampled row of logits into a token, batched over the step's requests.
+
+Order, as vLLM and the OpenAI API define it: logit bias; `min_tokens` masking of end
+tokens; repetition (prompt + output), frequency and presence (output) penalties; then
+greedy argmax, or temperature, top-k, top-p, min-p and a draw. Logprobs are reported from
+the model's raw distribution. A seeded request draws from its own generator, so its output
+does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvserve.engine.request import Request
+
+
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: sampled + top-n, when asked for
+    sampled_logprobs: list[float | None]
+
+
+def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, req in enumerate(requests):
+        params = req.sampling_params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias.keys()))
+            logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+        if req.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += list(req.eos_token_ids)
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, req in enumerate(requests):
+        p = req.sampling_params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and req.output_counts:
+            ids = torch.tensor(list(req.output_counts.keys()), dtype=torch.long)
+            counts = torch.tensor(list(req.output_counts.values()), dtype=logits.dtype)
+            logits[row, ids] -= p.frequency_penalty * counts + p.presence_penalty
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside top-k, the top-p nucleus or the min-p floor (per row).
+
+    top_k 0 = off; top_p 1 = off; min_p 0 = off. The most likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+        k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+        remove = ranks >= k
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # drop a token once the mass strictly before it already reaches top_p
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= top_p.unsqueeze(1)
+        remove[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """argmax(p / q) with q ~ Exp(1) is a draw from p (the exponential-race trick)."""
+    q = torch.empty_like(probs)
+    for row, req in enumerate(requests):
+        q[row].exponential_(generator=req.generator)
+    return (probs / q).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [R, V] fp32, one row per request that samples this step."""
+        num_logprobs = [r.sampling_params.logprobs for r in requests]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_logprobs) else None
+
+        logits = logits.clone()
+        _apply_bias_and_min_tokens(logits, requests)
+        _apply_penalties(logits, requests)
+
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if random_rows:
+            sub = [requests[i] for i in random_rows]
+            rows = torch.tensor(random_rows)
+            temps = torch.tensor([r.sampling_params.temperature for r in sub], dtype=logits.dtype)
+            scaled = logits[rows] / temps.unsqueeze(1)
+            scaled = filter_logits(
+                scaled,
+                torch.tensor([r.sampling_params.top_k for r in sub]),
+                torch.tensor([r.sampling_params.top_p for r in sub], dtype=logits.dtype),
+                torch.tensor([r.sampling_params.min_p for r in sub], dtype=logits.dtype),
+            )
+            token_ids[rows] = _draw(scaled.softmax(dim=-1), sub)
+
+        ids = token_ids.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        sampled: list[float | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for row, n in enumerate(num_logprobs):
+                if n is None:
+                    continue
+                entry = {ids[row]: float(raw_logprobs[row, ids[row]])}
+                if n:
+                    top = raw_logprobs[row].topk(n)
+                    for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
+                        entry.setdefault(tid, lp)
+                logprobs[row] = entry
+                sampled[row] = entry[ids[row]]
+        return SamplerOutput(ids, logprobs, sampled)

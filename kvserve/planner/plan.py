@@ -1,0 +1,140 @@
+"""A plan: every quantity of the seed's arithmetic for one `PlanInputs`, with formulas.
+
+`make_plan` derives the shared figures once (`Derived`: c_kv, the placement, capacity,
+the batch used for decode, its step time, prefill time) and then asks each section
+module for its quantities. Nothing is cached across plans, so changing any input
+re-derives everything that depends on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from kvserve.errors import ConfigError
+from kvserve.planner import capacity, kv, latency, roofline
+from kvserve.planner.inputs import PlanInputs
+from kvserve.planner.layout import Placement, place
+from kvserve.planner.quantity import Quantity
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str
+    title: str
+    quantities: list[Quantity]
+
+
+@dataclass
+class Derived:
+    """Figures several sections share, computed once per plan."""
+
+    inputs: PlanInputs
+
+    @cached_property
+    def kv_bytes_per_position(self) -> float:
+        m = self.inputs.model
+        return kv.kv_bytes_per_position(m.num_layers, m.num_kv_heads, m.head_dim, self.inputs.bytes_per_kv_element)
+
+    @cached_property
+    def kv_bytes_per_request(self) -> float:
+        return self.inputs.history_positions * self.kv_bytes_per_position
+
+    @cached_property
+    def kv_bytes_per_request_allocated(self) -> float:
+        return kv.paged_positions(self.inputs.history_positions, self.inputs.kv_block_positions) * self.kv_bytes_per_position
+
+    @cached_property
+    def weight_bytes(self) -> float:
+        return self.inputs.model.num_params * self.inputs.bytes_per_weight
+
+    def placement(self, layout: str | None = None, num_chips: int | None = None) -> Placement:
+        i = self.inputs
+        return place(
+            layout or i.kv_layout, num_chips or i.num_chips, i.model.num_params, i.bytes_per_weight,
+            i.model.num_kv_heads, self.kv_bytes_per_request, self.kv_bytes_per_request_allocated,
+        )
+
+    def exchange_s(self, layout: str) -> float:
+        return self.inputs.exchange_s_per_step if layout == "requests" else 0.0
+
+    def capacity_batch(self, layout: str | None = None) -> int:
+        i = self.inputs
+        return capacity.capacity_batch(i.chip.hbm_bytes, i.reserved_bytes_per_chip, self.placement(layout))
+
+    def max_batch_meeting_target(self, layout: str | None = None) -> int:
+        i, layout = self.inputs, layout or self.inputs.kv_layout
+        return capacity.max_batch_meeting_target(
+            self.placement(layout), self.capacity_batch(layout), i.step_target_s,
+            i.chip.peak_flops_per_s, i.chip.hbm_bytes_per_s, self.exchange_s(layout),
+        )
+
+    def step(self, batch: int, layout: str | None = None, num_chips: int | None = None) -> roofline.StepTime:
+        layout = layout or self.inputs.kv_layout
+        return roofline.step_time(
+            self.placement(layout, num_chips), batch, self.inputs.chip.peak_flops_per_s,
+            self.inputs.chip.hbm_bytes_per_s, self.exchange_s(layout),
+        )
+
+    @cached_property
+    def decode_batch(self) -> int:
+        """--batch if given, else the largest batch meeting the target, else 1 (flagged)."""
+        return self.inputs.batch or self.max_batch_meeting_target() or 1
+
+    @cached_property
+    def decode_batch_note(self) -> str:
+        if self.inputs.batch:
+            return "the --batch you gave"
+        if self.capacity_batch() == 0:
+            return "weights alone do not fit the chips: B=1 shown only to keep the arithmetic going"
+        if self.max_batch_meeting_target() == 0:
+            return "no batch meets the step target: B=1 shown"
+        return "the largest batch meeting the step target"
+
+    @cached_property
+    def decode_step(self) -> roofline.StepTime:
+        return self.step(self.decode_batch)
+
+    @cached_property
+    def prefill_s(self) -> float:
+        i = self.inputs
+        return latency.prefill_time_s(i.model.num_params, i.prompt_positions, i.num_chips, i.chip.peak_flops_per_s, i.utilisation)
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    sections: list[Section]
+    derived: Derived = field(repr=False)
+
+    def quantity(self, key: str) -> Quantity:
+        for section in self.sections:
+            for q in section.quantities:
+                if q.key == key:
+                    return q
+        raise KeyError(key)
+
+    def __getitem__(self, key: str):
+        return self.quantity(key).value
+
+    def as_json(self) -> dict:
+        quantities = {}
+        for section in self.sections:
+            for q in section.quantities:
+                quantities[q.key] = q.as_json(section.key)
+        return {
+            "kvserve_plan_version": 1,
+            "inputs": self.inputs.as_json(),
+            "sections": [{"key": s.key, "title": s.title, "keys": [q.key for q in s.quantities]} for s in self.sections],
+            "quantities": quantities,
+        }
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    from kvserve.planner import sections_memory, sections_serving
+
+    if not isinstance(inputs, PlanInputs):
+        raise ConfigError("inputs", f"must be a PlanInputs, got {type(inputs).__name__}")
+    derived = Derived(inputs)
+    sections = [*sections_memory.build(derived), *sections_serving.build(derived)]
+    return Plan(inputs=inputs, sections=sections, derived=derived)
