@@ -67,6 +67,8 @@ def _bytes(x: float) -> str:
         return f"{x:,.0f} B"
     if x < 1e6:
         return f"{x:,.0f} B ({x / KIB:.4g} KiB)"
+    if x < 1e9:
+        return f"{x / 1e6:.9g} MB ({x / 2**20:.6g} MiB)"
     return f"{x / GB:.9g} GB ({x / GIB:.6g} GiB)"
 
 
