@@ -16,6 +16,12 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any):
         self.engine = LLMEngine(EngineConfig(model=model, **config))
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -1,0 +1,69 @@
+"""Command-line flags of the engine, shared by `serve`, `chat`, `generate` and `bench`."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has it), bfloat16, float16, float32")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="bytes for the paged KV pool, e.g. 512MiB, 2GiB")
+    g.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model context, capped by the pool)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most running requests")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap on one prompt's chunk per step (0 = none)")
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prompt prefixes"
+    )
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    values = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_threads=args.threads,
+    )
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )

@@ -1,0 +1,80 @@
+"""Write a tiny HF checkpoint as a llama.cpp-style GGUF (F32), Q/K rows permuted as
+llama.cpp's converter does, with the tokenizer in GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(hf_dir: Path, out: Path, architecture: str = "llama") -> Path:
+    import gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    w = gguf.GGUFWriter(str(out), architecture)
+    a = architecture
+    w.add_uint32(f"{a}.block_count", config["num_hidden_layers"])
+    w.add_uint32(f"{a}.context_length", config["max_position_embeddings"])
+    w.add_uint32(f"{a}.embedding_length", config["hidden_size"])
+    w.add_uint32(f"{a}.feed_forward_length", config["intermediate_size"])
+    w.add_uint32(f"{a}.attention.head_count", n_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", n_kv)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    w.add_float32(f"{a}.rope.freq_base", float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
+
+    vocab = tok["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = [None] * (max(max(vocab.values()), max(added.values())) + 1)
+    for text, idx in {**vocab, **added}.items():
+        tokens[idx] = text
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in added else 1 for t in tokens])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_token_merges(merges)
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_chat_template((hf_dir / "chat_template.jinja").read_text())
+
+    w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    if "lm_head.weight" in weights and not config.get("tie_word_embeddings"):
+        w.add_tensor("output.weight", weights["lm_head.weight"])
+    for i in range(config["num_hidden_layers"]):
+        for hf_name, gguf_name in _NAMES.items():
+            t = weights[f"model.layers.{i}.{hf_name}"]
+            if hf_name.startswith("self_attn.q_proj") and architecture == "llama":
+                t = _llama_cpp_permute(t, n_heads)
+            elif hf_name.startswith("self_attn.k_proj") and architecture == "llama":
+                t = _llama_cpp_permute(t, n_kv)
+            w.add_tensor(f"blk.{i}.{gguf_name}", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
