@@ -57,6 +57,7 @@ def write_plot(plan: Plan, path: str | Path) -> Path:
     for ax in (ax_t, ax_r):
         if cap <= batches[-1]:
             ax.axvline(cap, color="black", lw=1, label=f"capacity B={cap}")
+            ax.axvspan(cap, batches[-1], color="gray", alpha=0.12)  # does not fit in memory
         if b_star <= batches[-1]:
             ax.axvline(b_star, color="gray", ls="--", lw=1, label=f"critical B*={b_star:.1f}")
         ax.axvline(chosen, color="tab:purple", ls="-.", lw=1, label=f"decode batch B={chosen}")

@@ -122,9 +122,16 @@ def _step_quantities(d, cap: int) -> list[Q]:
         at_cap = d.step(cap)
         out.append(Q("step_s_at_capacity", "step time at capacity batch", at_cap.total_s, "s",
                      "max(2·(P/N)·B/C, (W/N)/β) + K_chip(B)/β + t_x", _step_subst(at_cap), note=f"{at_cap.branch} branch"))
-    boundary = f"t({b_max}) ≤ {num(target)} s < t({b_max + 1}) = {num(d.step(b_max + 1).total_s)} s"
+    if cap == 0:
+        boundary = "the weights alone do not fit"
+    elif b_max == cap:
+        boundary = f"capacity {cap} binds first: t({cap}) = {num(d.step(cap).total_s)} s ≤ {num(target)} s"
+    elif b_max == 0:
+        boundary = f"even t(1) = {num(d.step(1).total_s)} s > {num(target)} s"
+    else:
+        boundary = f"t({b_max}) ≤ {num(target)} s < t({b_max + 1}) = {num(d.step(b_max + 1).total_s)} s"
     out.append(Q("max_batch_meeting_target", "largest batch meeting the step target", b_max, "requests",
-                 "max B ≤ B_cap with t_step(B) ≤ t_target", boundary if b_max < cap else f"capacity {cap} binds first"))
+                 "max B ≤ B_cap with t_step(B) ≤ t_target", boundary))
     step = d.decode_step
     out += [
         Q("decode_batch", "decode batch used below", d.decode_batch, "requests", "", "", note=d.decode_batch_note),
@@ -174,7 +181,12 @@ def _layout_comparison(d) -> list[Q]:
         cap = d.capacity_batch(layout)
         b = d.max_batch_meeting_target(layout)
         step = d.step(b or 1, layout)
+        placement = d.placement(layout)
         out += [
+            Q(f"{layout}_layout_kv_bytes_per_request_per_chip", f"{layout} layout: local KV per request per chip",
+              placement.kv_bytes_per_request_per_chip, "B", "", ""),
+            Q(f"{layout}_layout_kv_replication_factor", f"{layout} layout: KV replication factor",
+              placement.kv_replication_factor, "", "", ""),
             Q(f"{layout}_layout_capacity_batch", f"{layout} layout: capacity batch", cap, "requests", "", ""),
             Q(f"{layout}_layout_max_batch", f"{layout} layout: largest batch meeting target", b, "requests", "", "",
               note=f"t_x = {num(d.exchange_s(layout))} s" if layout == "requests" else ""),

@@ -31,11 +31,14 @@ def test_hf_config_json(tmp_path):
     assert load_model(str(tmp_path / "config.json")) == shape
 
 
-def test_hf_config_counts_like_transformers(tiny_llama):
-    """The Llama count against transformers' own module on the engine's tiny test model."""
+def test_hf_config_counts_like_transformers(tmp_path):
+    """The Llama count against transformers' own module built from the same config.json."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
-    assert from_hf_config(tiny_llama).num_params == sum(p.numel() for p in model.parameters())
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=48, intermediate_size=96, num_attention_heads=6,
+                                      num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    model = transformers.LlamaForCausalLM(config)
+    assert from_hf_config(tmp_path).num_params == sum(p.numel() for p in model.parameters())
 
 
 def test_hf_config_missing_field(tmp_path):
