@@ -174,6 +174,10 @@ class LLMEngine:
         self.counters.prompt_tokens += len(prompt_ids)
         return request_id
 
+    def set_prompt_text(self, request_id: str, text: str) -> None:
+        """Record the prompt's text when it was tokenized elsewhere (the server does that)."""
+        self._parents[request_id].prompt = text
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Free everything the request holds, at any point of its life; others are untouched."""
         parent = self._parents.get(request_id)
