@@ -53,6 +53,7 @@ class EngineCounters:
     generation_tokens: int = 0
     finished: dict[str, int] = dataclasses.field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     steps: int = 0
+    computed_tokens: int = 0  # positions run through the model (prefix-cache hits are not)
 
 
 class LLMEngine:
@@ -206,6 +207,7 @@ class LLMEngine:
     def _update(self, scheduled, sampling, sampled) -> list[RequestOutput]:
         now = time.monotonic()
         self.counters.steps += 1
+        self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         touched: dict[str, _Parent] = {}
