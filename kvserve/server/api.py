@@ -1,0 +1,110 @@
+"""The FastAPI app: routes, gatekeeping middleware and error handlers around one engine.
+
+`build_app(engine, config)` is the whole server minus the process around it
+(`server/cli.py` adds uvicorn, signals and the start-up report), so tests can also
+drive it in-process.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from kvserve import __version__
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.chat import create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.config import ServerConfig
+from kvserve.server.context import ServingContext
+from kvserve.server.errors import error_body, install_error_handlers
+from kvserve.server.lifecycle import ClientDisconnected
+from kvserve.server.metrics import CONTENT_TYPE
+from kvserve.server.middleware import APIKeyAuth, MaxBodySize
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from kvserve.server.tokens import detokenize, tokenize
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def _parse(raw: Request, model: type[Body]) -> Body:
+    # parsed here rather than by FastAPI so JSON is read strictly (no "5" for 5) and
+    # every malformed body takes the same path to a 400 with `param` named
+    return model.model_validate_json(await raw.body())
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    ctx = ServingContext.create(engine, config)
+    app = FastAPI(title="kvserve", version=__version__, summary="OpenAI-compatible LLM server")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+
+    # the last added runs first: the key is checked before a byte of the body is read
+    app.add_middleware(MaxBodySize, max_bytes=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyAuth, api_key=config.api_key)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await create_completion(ctx, await _parse(raw, CompletionRequest), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(ctx, await _parse(raw, ChatCompletionRequest), raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return ModelList(data=[_model_card(ctx)]).model_dump()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        ctx.check_model(model)
+        return _model_card(ctx).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize_route(raw: Request) -> dict:
+        return tokenize(ctx, await _parse(raw, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw: Request) -> dict:
+        return detokenize(ctx, await _parse(raw, DetokenizeRequest))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not _engine_alive(engine):
+            return JSONResponse(error_body("the engine is not running", "service_unavailable"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    return app
+
+
+def _model_card(ctx: ServingContext) -> ModelCard:
+    return ModelCard(id=ctx.model_name, root=ctx.engine.engine.model_name, max_model_len=ctx.max_model_len)
+
+
+def _engine_alive(engine: AsyncLLMEngine) -> bool:
+    # AsyncLLMEngine has no public liveness accessor yet; its thread and accept flag tell
+    thread = getattr(engine, "_thread", None)
+    return bool(getattr(engine, "_accepting", True)) and (thread is None or thread.is_alive())

@@ -1,0 +1,91 @@
+"""The server process: load the model, start the engine thread, serve HTTP until a signal.
+
+On SIGTERM or SIGINT, uvicorn stops accepting connections and in-flight requests get
+`drain_timeout_s` to finish. Those still running then are aborted in the engine, so each
+client still gets a proper end (finish_reason "abort", then [DONE]) rather than a cut
+connection; the engine thread stops and the process exits 0. A second SIGINT skips
+the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import uvicorn
+
+from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.api import build_app
+from kvserve.server.config import ServerConfig
+
+_ABORT_GRACE_S = 5.0
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
+    engine = AsyncLLMEngine(engine_config)
+    try:
+        _say(engine.engine.describe())
+        app = build_app(engine, server_config)
+        uv_config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=log_level,
+            access_log=server_config.access_log,
+            # past the drain, aborted streams need a moment to send their last chunk
+            timeout_graceful_shutdown=server_config.drain_timeout_s + _ABORT_GRACE_S,
+            lifespan="off",
+        )
+        server = _Server(uv_config, engine, app.state.ctx.model_name, server_config)
+        # uvicorn re-raises the signal it shut down on into the handler it found; make
+        # that one a no-op so a graceful SIGTERM ends in exit status 0, not death by signal
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        server.run()
+    finally:
+        engine.shutdown(drain_timeout_s=0)  # uvicorn already drained; abort what is left
+    _say("stopped")
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """Reports the bound address (the real port when --port 0); drains, then aborts."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, model_name: str, server_config: ServerConfig):
+        super().__init__(config)
+        self.engine = engine
+        self.model_name = model_name
+        self.server_config = server_config
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            auth = "API key required on /v1" if self.server_config.api_key else "no API key"
+            _say(f"serving {self.model_name} at {_address(host, port)}/v1 ({auth}); also /health /metrics /tokenize /detokenize")
+
+    async def shutdown(self, sockets=None) -> None:
+        drain_s = self.server_config.drain_timeout_s
+        _say(f"shutting down; in-flight requests have {drain_s:g}s to finish")
+        ender = asyncio.ensure_future(self._abort_in_flight_after(drain_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+    async def _abort_in_flight_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if self.engine.num_in_flight():
+            _say(f"aborting {self.engine.num_in_flight()} request(s) still running")
+        # shutdown joins the engine thread: off the event loop, which must deliver the aborts
+        await asyncio.to_thread(self.engine.shutdown, 0.0)
+
+
+def _address(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _say(message: str) -> None:
+    print(f"kvserve: {message}", file=sys.stderr, flush=True)
