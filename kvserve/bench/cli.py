@@ -1,0 +1,262 @@
+"""`kvserve bench latency | throughput | serve`: flags, validation at the edge, output.
+
+Each command prints a table, and writes its figures with the machine they ran on to
+`--json FILE`, and where a picture helps, a PNG to `--plot FILE`. Flag errors are
+`ConfigError`s naming the flag, printed as one line by the dispatcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.errors import ConfigError
+
+MIB = 2**20
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="measure the engine: latency, throughput, serving load",
+                                  description="Benchmarks that print their figures (and write them as JSON).")
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
+
+    lat = sub.add_parser("latency", help="batch-1 decode and prefill tokens/s against the measured roofline")
+    lat.add_argument("--prompt-lens", default="128,512,2048", help="prefill prompt lengths, comma-separated (default 128,512,2048)")
+    lat.add_argument("--prefill-iters", type=int, default=3, help="timed prefills per length, after one warm-up (default 3)")
+    lat.add_argument("--decode-context-len", type=int, default=128, help="prompt length before decoding (default 128)")
+    lat.add_argument("--decode-warmup-steps", type=int, default=8, help="untimed decode steps (default 8)")
+    lat.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default 64)")
+    lat.add_argument("--read-mib", type=float, default=256, help="tensor summed to measure memory-read bandwidth, MiB (default 256)")
+    lat.add_argument("--gemm-size", type=int, default=2048, help="n of the n×n bf16 matmul measuring FLOP/s (default 2048)")
+    lat.add_argument("--calibration-seconds", type=float, default=1.0, help="time per machine measurement (default 1)")
+    lat.add_argument("--seed", type=int, default=0)
+    _add_outputs(lat, plot=True)
+    add_engine_args(lat)
+    lat.set_defaults(func=_latency)
+
+    thr = sub.add_parser("throughput", help="N requests at once: output and total tokens/s, peak RSS (optionally vs transformers)")
+    _add_workload(thr, num_prompts=64)
+    thr.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on the same workload")
+    thr.add_argument("--hf-modes", default="generate,generate_batch",
+                     help="transformers modes for --compare hf: generate (static batches), generate_batch (continuous)")
+    thr.add_argument("--hf-batch-size", type=int, default=None, help="static batch of transformers generate (default: all requests)")
+    _add_outputs(thr, plot=True)
+    add_engine_args(thr)
+    thr.set_defaults(func=_throughput)
+
+    srv = sub.add_parser("serve", help="load an OpenAI-compatible server at a sweep of request rates")
+    srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
+    srv.add_argument("--model-name", default=None, help="model field of the requests (default: the first of /v1/models)")
+    _add_workload(srv, num_prompts=64)
+    srv.add_argument("--request-rate", default="inf", help="requests/s, comma-separated for a sweep; inf sends all at once (default inf)")
+    srv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson, <1 burstier (default 1)")
+    srv.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    srv.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                     help="ids: random token ids, exact lengths; text: random words, about one token each (default ids)")
+    srv.add_argument("--vocab-size", type=int, default=32000, help="random ids are drawn below this (default 32000)")
+    srv.add_argument("--warmup-requests", type=int, default=2, help="sequential requests before timing (default 2)")
+    srv.add_argument("--request-timeout-s", type=float, default=600.0, help="give up on one request after this (default 600)")
+    srv.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO: time to first token")
+    srv.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO: time per output token")
+    srv.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput SLO: end-to-end latency")
+    srv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_outputs(srv, plot=True)
+    srv.set_defaults(func=_serve)
+
+
+def _add_workload(p: argparse.ArgumentParser, num_prompts: int) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests (default {num_prompts})")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    g.add_argument("--output-len", type=int, default=128, help="output tokens per request, EOS ignored (default 128)")
+    g.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len·[1−r, 1+r]; 0 = fixed (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths (default 0)")
+
+
+def _add_outputs(p: argparse.ArgumentParser, plot: bool) -> None:
+    p.add_argument("--json", metavar="FILE", default=None, help="write the figures, machine and command as JSON")
+    if plot:
+        p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot")
+
+
+# ---- validation at the edge -------------------------------------------------------------
+
+
+def _at_least(flag: str, value: int | float | None, low: float) -> None:
+    if value is not None and not value >= low:
+        raise ConfigError(flag, f"must be >= {low:g}, got {value}")
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(flag, f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 2:
+        raise ConfigError(flag, f"expected integers >= 2, got {text!r}")
+    return values
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(math.inf if v.strip().lower() in ("inf", "infinity") else float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError("--request-rate", f"expected comma-separated numbers or inf, got {text!r}") from None
+    if not rates or any(not r > 0 or math.isnan(r) for r in rates):
+        raise ConfigError("--request-rate", f"every rate must be > 0 (or inf), got {text!r}")
+    return rates
+
+
+def _check_workload(args: argparse.Namespace) -> None:
+    _at_least("--num-prompts", args.num_prompts, 1)
+    _at_least("--input-len", args.input_len, 1)
+    _at_least("--output-len", args.output_len, 1)
+    if not 0 <= args.range_ratio < 1:
+        raise ConfigError("--range-ratio", f"must be in [0, 1), got {args.range_ratio}")
+
+
+def _write_outputs(args: argparse.Namespace, benchmark: str, results: dict[str, Any], plot_fn=None) -> None:
+    from kvserve.bench.machine import envelope
+
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(envelope(benchmark, vars(args), results), indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    if plot_fn and getattr(args, "plot", None):
+        path = Path(args.plot)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot_fn(results, path)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def _engine(args: argparse.Namespace):
+    from kvserve.engine.llm import LLM
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    print(llm.engine.describe(), file=sys.stderr)
+    return llm
+
+
+# ---- commands ----------------------------------------------------------------------------
+
+
+def _latency(args: argparse.Namespace) -> int:
+    from kvserve.bench import plot, report
+    from kvserve.bench.latency import LatencySettings, check_fits, run_latency
+    from kvserve.bench.roofline import measure_machine
+
+    settings = LatencySettings(
+        prompt_lens=_int_list("--prompt-lens", args.prompt_lens),
+        prefill_iters=args.prefill_iters,
+        decode_context_len=args.decode_context_len,
+        decode_warmup_steps=args.decode_warmup_steps,
+        decode_steps=args.decode_steps,
+        seed=args.seed,
+    )
+    _at_least("--prefill-iters", args.prefill_iters, 1)
+    _at_least("--decode-context-len", args.decode_context_len, 1)
+    _at_least("--decode-warmup-steps", args.decode_warmup_steps, 0)
+    _at_least("--decode-steps", args.decode_steps, 1)
+    if not args.read_mib > 0:
+        raise ConfigError("--read-mib", f"must be > 0, got {args.read_mib}")
+    _at_least("--gemm-size", args.gemm_size, 1)
+    if not args.calibration_seconds > 0:
+        raise ConfigError("--calibration-seconds", f"must be > 0, got {args.calibration_seconds}")
+
+    llm = _engine(args)
+    check_fits(llm.engine, settings)
+    device = str(llm.engine.config.torch_device)
+    print("measuring memory-read bandwidth and GEMM FLOP/s …", file=sys.stderr)
+    limits = measure_machine(device, int(args.read_mib * MIB), args.gemm_size, args.calibration_seconds)
+    results = run_latency(llm.engine, settings, limits)
+    report.print_latency(results)
+    _write_outputs(args, "latency", results, plot.plot_latency)
+    return 0
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvserve.bench import plot, report
+    from kvserve.bench.hf_peer import MODES
+    from kvserve.bench.throughput import ratios, run_hf_peer, run_kvserve, warmup_workload
+    from kvserve.bench.workload import build_workload
+
+    _check_workload(args)
+    modes = [m.strip() for m in args.hf_modes.split(",") if m.strip()]
+    if any(m not in MODES for m in modes) or not modes:
+        raise ConfigError("--hf-modes", f"expected a comma-separated subset of {', '.join(MODES)}, got {args.hf_modes!r}")
+    _at_least("--hf-batch-size", args.hf_batch_size, 1)
+
+    llm = _engine(args)
+    engine = llm.engine
+    longest = round(args.input_len * (1 + args.range_ratio)) + round(args.output_len * (1 + args.range_ratio))
+    if longest > engine.max_model_len:
+        raise ConfigError("--input-len", f"prompt + output of up to {longest} tokens exceed max_model_len={engine.max_model_len}")
+    special = list(getattr(engine.tokenizer.hf, "all_special_ids", []) or [])
+    workload = build_workload(args.num_prompts, args.input_len, args.output_len, engine.arch.vocab_size,
+                              seed=args.seed, range_ratio=args.range_ratio, exclude_ids=special)
+    warmup = warmup_workload(workload, engine.arch.vocab_size, args.seed, special)
+    print(f"kvserve: {workload.num_requests} requests …", file=sys.stderr)
+    engines = [run_kvserve(llm, workload, warmup)]
+
+    if args.compare == "hf":
+        spec = {
+            "model": args.model,
+            "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "batch_size": args.hf_batch_size or workload.num_requests,
+            "max_batch_tokens": engine.config.max_num_batched_tokens,
+            "workload": workload.to_dict(),
+            "warmup": warmup.to_dict(),
+        }
+        for mode in modes:
+            print(f"transformers {mode}: {workload.num_requests} requests (own process) …", file=sys.stderr)
+            engines.append(run_hf_peer(mode, spec, workload))
+
+    results = {"model": engine.model_name, "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
+               "workload": workload.describe(), "engines": engines, "ratios": ratios(engines)}
+    report.print_throughput(results)
+    _write_outputs(args, "throughput", results, plot.plot_throughput)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvserve.bench import plot, report
+    from kvserve.bench.serve import ServeSettings, run_serve
+    from kvserve.bench.stats import SLO
+
+    _check_workload(args)
+    rates = _rates(args.request_rate)
+    if not args.burstiness > 0:
+        raise ConfigError("--burstiness", f"must be > 0, got {args.burstiness}")
+    _at_least("--max-concurrency", args.max_concurrency, 1)
+    _at_least("--vocab-size", args.vocab_size, 1)
+    _at_least("--warmup-requests", args.warmup_requests, 0)
+    if not args.request_timeout_s > 0:
+        raise ConfigError("--request-timeout-s", f"must be > 0, got {args.request_timeout_s}")
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms), ("--slo-e2e-ms", args.slo_e2e_ms)):
+        if value is not None and not value > 0:
+            raise ConfigError(flag, f"must be > 0, got {value}")
+    ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+
+    settings = ServeSettings(
+        url=args.url, model_name=args.model_name, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.range_ratio, request_rates=rates, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, prompt_format=args.prompt_format, vocab_size=args.vocab_size,
+        warmup_requests=args.warmup_requests, timeout_s=args.request_timeout_s, seed=args.seed,
+        slo=SLO(ttft_s=ms(args.slo_ttft_ms), tpot_s=ms(args.slo_tpot_ms), e2e_s=ms(args.slo_e2e_ms)),
+        progress=not args.no_progress,
+    )
+    results = run_serve(settings)
+    report.print_serve(results)
+    _write_outputs(args, "serve", results, plot.plot_serve)
+    return 0

@@ -1,0 +1,151 @@
+"""`kvserve bench latency`: batch-1 decode and prefill speed, each beside its roofline.
+
+Both run through `LLMEngine.step()`, so the figures include everything a real request
+pays per step (scheduling, batch preparation, sampling, detokenizing), not the forward
+pass alone. Decode tokens/s counts only steps after the prompt was prefilled and a few
+warm-up steps were taken. Prefill tokens/s is prompt tokens ÷ the time from adding a
+request with `max_tokens=1` to its finish on an idle engine (its TTFT), with a fresh
+random prompt each time so the prefix cache never hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from statistics import median
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.bench import roofline
+from kvserve.bench.stats import summarize
+from kvserve.bench.workload import random_token_ids
+from kvserve.engine.engine import LLMEngine
+from kvserve.errors import ConfigError
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencySettings:
+    prompt_lens: tuple[int, ...] = (128, 512, 2048)
+    prefill_iters: int = 3
+    decode_context_len: int = 128
+    decode_warmup_steps: int = 8
+    decode_steps: int = 64
+    seed: int = 0
+
+
+def check_fits(engine: LLMEngine, settings: LatencySettings) -> None:
+    """Every request of the run must fit max_model_len; say which flag to lower if not."""
+    limit = engine.max_model_len
+    too_long = [n for n in settings.prompt_lens if n + 1 > limit]
+    if too_long:
+        raise ConfigError("--prompt-lens", f"{too_long} + 1 output token exceed max_model_len={limit}")
+    decode_len = settings.decode_context_len + settings.decode_warmup_steps + settings.decode_steps + 1
+    if decode_len > limit:
+        raise ConfigError(
+            "--decode-steps", f"context {settings.decode_context_len} + warm-up + steps = {decode_len} exceeds max_model_len={limit}"
+        )
+
+
+def _special_ids(engine: LLMEngine) -> list[int]:
+    return list(getattr(engine.tokenizer.hf, "all_special_ids", []) or [])
+
+
+def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.Generator) -> dict[str, Any]:
+    prompt = random_token_ids(settings.decode_context_len, engine.arch.vocab_size, rng, _special_ids(engine))
+    max_tokens = 1 + settings.decode_warmup_steps + settings.decode_steps
+    request_id = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    first_token_at = engine.counters.generation_tokens + 1
+    try:
+        while engine.counters.generation_tokens < first_token_at:
+            engine.step()  # prefill (in one or more chunks) until the first token is sampled
+        for _ in range(settings.decode_warmup_steps):
+            engine.step()
+        generated_before = engine.counters.generation_tokens
+        step_times_s = []
+        for _ in range(settings.decode_steps):
+            start = time.perf_counter()
+            engine.step()
+            step_times_s.append(time.perf_counter() - start)
+        decoded = engine.counters.generation_tokens - generated_before
+    finally:
+        engine.abort_request(request_id)
+    elapsed_s = sum(step_times_s)
+    return {
+        "context_len_start": settings.decode_context_len + 1 + settings.decode_warmup_steps,
+        "steps": settings.decode_steps,
+        "tokens": decoded,  # one per step at batch 1; checked by the caller
+        "elapsed_s": elapsed_s,
+        "tok_per_s": decoded / elapsed_s,
+        "step_ms": summarize(step_times_s, 1e3),
+    }
+
+
+def measure_prefill(engine: LLMEngine, prompt_len: int, iters: int, rng: np.random.Generator) -> dict[str, Any]:
+    special = _special_ids(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times_s, steps = [], []
+    for i in range(iters + 1):  # the first run warms up kernels for this shape and is dropped
+        prompt = random_token_ids(prompt_len, engine.arch.vocab_size, rng, special)
+        steps_before = engine.counters.steps
+        start = time.perf_counter()
+        engine.add_request(None, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        elapsed_s = time.perf_counter() - start
+        if i:
+            times_s.append(elapsed_s)
+            steps.append(engine.counters.steps - steps_before)
+    time_s = median(times_s)
+    return {
+        "prompt_len": prompt_len,
+        "iters": iters,
+        "steps_per_prefill": max(steps),
+        "time_ms": summarize(times_s, 1e3),
+        "tok_per_s": prompt_len / time_s,
+    }
+
+
+def run_latency(engine: LLMEngine, settings: LatencySettings, limits: roofline.MachineLimits) -> dict[str, Any]:
+    check_fits(engine, settings)
+    if engine.has_unfinished_requests():
+        raise ConfigError("engine", "the latency benchmark needs an idle engine")
+    rng = np.random.default_rng(settings.seed)
+    arch = engine.arch
+    element_bytes = torch.empty((), dtype=engine.config.torch_dtype).element_size()
+
+    decode = measure_decode(engine, settings, rng)
+    mean_context = decode["context_len_start"] + (settings.decode_steps - 1) / 2
+    bytes_per_step = roofline.decode_bytes_per_step(arch, element_bytes, element_bytes, mean_context)
+    decode["bytes_per_step"] = bytes_per_step
+    decode["roofline_tok_per_s"] = limits.read_bytes_per_s / bytes_per_step
+    decode["fraction_of_roofline"] = decode["tok_per_s"] / decode["roofline_tok_per_s"]
+
+    prefill = []
+    for prompt_len in settings.prompt_lens:
+        row = measure_prefill(engine, prompt_len, settings.prefill_iters, rng)
+        flops = roofline.prefill_flops(arch, prompt_len)
+        row["flops"] = flops
+        row["roofline_tok_per_s"] = prompt_len * limits.gemm_flops_per_s / flops["total"]
+        row["fraction_of_roofline"] = row["tok_per_s"] / row["roofline_tok_per_s"]
+        prefill.append(row)
+
+    return {
+        "settings": dataclasses.asdict(settings),
+        "model": {
+            "name": engine.model_name,
+            "params": roofline.total_params(arch),
+            "layer_params": roofline.layer_params(arch),
+            "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
+            "device": str(engine.config.torch_device),
+            "kv_bytes_per_position": arch.kv_bytes_per_position(element_bytes),
+        },
+        "machine": limits.to_dict(),
+        "decode": decode,
+        "prefill": prefill,
+        "notes": [] if engine.config.torch_dtype == torch.bfloat16 else [
+            f"the engine runs {engine.config.torch_dtype}; the prefill roofline uses the bf16 GEMM rate"
+        ],
+    }

@@ -1,0 +1,90 @@
+"""Rich tables of each benchmark's figures, printed to the terminal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _console() -> Console:
+    # rich assumes 80 columns when not writing to a terminal: too narrow for these tables in a log
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.0f}%"
+
+
+def print_latency(results: dict[str, Any], console: Console | None = None) -> None:
+    console = console or _console()
+    m, machine, d = results["model"], results["machine"], results["decode"]
+    console.print(f"[bold]{m['name']}[/] {m['params'] / 1e6:.1f}M params, {m['dtype']} on {m['device']}; "
+                  f"measured memory read {machine['read_bytes_per_s'] / 1e9:.1f} GB/s, "
+                  f"bf16 GEMM {machine['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s")
+    table = Table(title="batch-1 latency against the roofline")
+    for col in ("phase", "tokens", "tok/s", "roofline tok/s", "of roofline", "time (median)", "bound by"):
+        table.add_column(col, justify="left" if col in ("phase", "bound by") else "right")
+    table.add_row("decode", f"ctx {d['context_len_start']}+{d['steps']}", _f(d["tok_per_s"]), _f(d["roofline_tok_per_s"]),
+                  _pct(d["fraction_of_roofline"]), f"{_f(d['step_ms']['median'], 2)} ms/step",
+                  f"{d['bytes_per_step'] / 1e6:.0f} MB read per step")
+    for p in results["prefill"]:
+        table.add_row("prefill", str(p["prompt_len"]), _f(p["tok_per_s"]), _f(p["roofline_tok_per_s"]),
+                      _pct(p["fraction_of_roofline"]), f"{_f(p['time_ms']['median'])} ms",
+                      f"{p['flops']['total'] / 1e9:.1f} GFLOP")
+    console.print(table)
+    for note in results.get("notes", []):
+        console.print(f"note: {note}")
+
+
+def print_throughput(results: dict[str, Any], console: Console | None = None) -> None:
+    console = console or _console()
+    w = results["workload"]
+    console.print(f"{w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens "
+                  f"(input {w['input_len_min_max']}, output {w['output_len_min_max']})")
+    table = Table(title="offline throughput")
+    for col in ("engine", "output tok/s", "total tok/s", "req/s", "elapsed s", "peak RSS MiB", "kvserve ×"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    ratios = results.get("ratios", {})
+    for r in results["engines"]:
+        if "error" in r:
+            table.add_row(r["engine"], "could not run", "", "", "", "", "")
+            continue
+        ratio = ratios.get(r["engine"])
+        table.add_row(r["engine"], _f(r["output_tok_per_s"]), _f(r["total_tok_per_s"]), _f(r["requests_per_s"], 2),
+                      _f(r["elapsed_s"], 2), _f(r["peak_rss_mib"], 0), "" if ratio is None else f"{ratio:.2f}")
+    console.print(table)
+    for r in results["engines"]:
+        for key in ("error", "note", "warning"):
+            if key in r:
+                console.print(f"{r['engine']}: {r[key]}")
+
+
+def print_serve(results: dict[str, Any], console: Console | None = None) -> None:
+    console = console or _console()
+    console.print(f"{results['url']} model {results['model']}")
+    table = Table(title="serving: latency (ms) mean / median / p90 / p99 at each request rate")
+    for col in ("rate req/s", "done", "req/s", "out tok/s", "TTFT", "TPOT", "ITL", "E2E", "goodput req/s"):
+        table.add_column(col, justify="right")
+
+    def cell(s: dict) -> str:
+        return "/".join(_f(s[k], 0 if (s[k] or 0) >= 100 else 1) for k in ("mean", "median", "p90", "p99"))
+
+    for row in results["sweep"]:
+        rate = row["request_rate"]
+        if row.get("max_concurrency"):
+            rate = f"{rate} (≤{row['max_concurrency']})"
+        table.add_row(str(rate), f"{row['completed']}/{row['completed'] + row['failed']}",
+                      _f(row["request_throughput_req_per_s"], 2), _f(row["output_throughput_tok_per_s"]),
+                      cell(row["ttft_ms"]), cell(row["tpot_ms"]), cell(row["itl_ms"]), cell(row["e2e_ms"]),
+                      _f(row.get("goodput_req_per_s"), 2))
+    console.print(table)
+    for row in results["sweep"]:
+        for error in row["errors"]:
+            console.print(f"rate {row['request_rate']}: {row['failed']} failed, e.g. {error}")

@@ -1,0 +1,71 @@
+"""The model's work per token and this machine's limits, measured in the same run.
+
+Decode at batch 1 reads every weight once per token, so its floor is
+weight bytes ÷ memory-read bandwidth (plus the KV cache it reads, small at short
+contexts). Prefill is matrix work, so its floor is FLOPs ÷ the measured GEMM rate.
+Both machine figures come from `kvserve.planner.calibrate` (best-of timings).
+
+Costs are counted from the architecture, not from the engine's modules, so they do not
+move when the engine fuses or reorders its weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvserve.model.arch import ModelArchitecture
+from kvserve.planner.calibrate import measure_bf16_flops_per_s, measure_read_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineLimits:
+    read_bytes_per_s: float
+    gemm_flops_per_s: float
+    read_test_bytes: int
+    gemm_size: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def measure_machine(device: str, read_bytes: int, gemm_size: int, seconds: float) -> MachineLimits:
+    return MachineLimits(
+        read_bytes_per_s=measure_read_bytes_per_s(read_bytes, seconds, device),
+        gemm_flops_per_s=measure_bf16_flops_per_s(gemm_size, seconds, device),
+        read_test_bytes=read_bytes,
+        gemm_size=gemm_size,
+    )
+
+
+def layer_params(arch: ModelArchitecture) -> int:
+    """Parameters of the decoder layers: every one multiplies each token's activations."""
+    d, h = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_heads * h, arch.num_kv_heads * h
+    attention = d * q + 2 * d * kv + q * d + (q + 2 * kv if arch.attention_bias else 0)
+    mlp = 3 * d * arch.intermediate_size
+    norms = 2 * d
+    return arch.num_layers * (attention + mlp + norms)
+
+
+def total_params(arch: ModelArchitecture) -> int:
+    embed = arch.vocab_size * arch.hidden_size
+    return layer_params(arch) + embed + arch.hidden_size + (0 if arch.tie_word_embeddings else embed)
+
+
+def decode_bytes_per_step(arch: ModelArchitecture, weight_bytes: int, kv_bytes: int, context_len: float) -> float:
+    """Bytes one batch-1 decode step must read: the layers, the final norm, the LM head
+    (V·d, the embedding table itself when tied; the input embedding is one row), and the
+    K/V of `context_len` positions."""
+    weights = layer_params(arch) + arch.hidden_size + arch.vocab_size * arch.hidden_size
+    return weights * weight_bytes + arch.kv_bytes_per_position(kv_bytes) * context_len
+
+
+def prefill_flops(arch: ModelArchitecture, num_tokens: int) -> dict[str, float]:
+    """FLOPs one prefill of `num_tokens` (no cached prefix) needs: 2 per weight per token
+    in the layers, causal attention (QKᵀ and PV over the lower triangle), and the LM head
+    for the one position that samples."""
+    linear = 2.0 * layer_params(arch) * num_tokens
+    causal_pairs = num_tokens * (num_tokens + 1) / 2
+    attention = 2 * 2.0 * arch.num_layers * arch.num_heads * arch.head_dim * causal_pairs
+    lm_head = 2.0 * arch.vocab_size * arch.hidden_size
+    return {"linear": linear, "attention": attention, "lm_head": lm_head, "total": linear + attention + lm_head}

@@ -1,0 +1,102 @@
+"""`kvserve bench throughput`: N requests of given lengths through the engine at once.
+
+The kvserve run happens in this process through the offline `LLM.generate` (continuous
+batching over the whole workload); `--compare hf` then runs transformers on the very
+same prompts, each mode in its own process so every peak RSS is that engine's alone.
+Output tokens/s counts the tokens each request asked for; total tokens/s adds the
+prompt tokens. Every engine gets one untimed warm-up on a few small requests first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.hf_peer import peak_rss_mib
+from kvserve.bench.stats import summarize
+from kvserve.bench.workload import Workload, build_workload
+from kvserve.sampling_params import SamplingParams
+
+WARMUP_REQUESTS = 2
+WARMUP_OUTPUT_LEN = 4
+
+
+def warmup_workload(workload: Workload, vocab_size: int, seed: int, exclude_ids=()) -> Workload:
+    """A couple of requests at the workload's longest prompt, with short outputs: the
+    prefill shapes and the decode path are warm when timing starts."""
+    length = max(len(p) for p in workload.prompts)
+    return build_workload(min(WARMUP_REQUESTS, workload.num_requests), length, WARMUP_OUTPUT_LEN, vocab_size,
+                          seed=seed + 10_000, exclude_ids=exclude_ids)
+
+
+def rates(workload: Workload, elapsed_s: float) -> dict[str, float]:
+    return {
+        "elapsed_s": elapsed_s,
+        "requests_per_s": workload.num_requests / elapsed_s,
+        "output_tok_per_s": workload.num_output_tokens / elapsed_s,
+        "total_tok_per_s": (workload.num_prompt_tokens + workload.num_output_tokens) / elapsed_s,
+    }
+
+
+def _params(output_lens: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+
+
+def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
+    engine = llm.engine
+    llm.generate(warmup.prompts, _params(warmup.output_lens))
+    steps_before = engine.counters.steps
+    preemptions_before = engine.scheduler.num_preemptions
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, _params(workload.output_lens))
+    elapsed_s = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    timings = [o.timings[0] for o in outputs]
+    result = {
+        "engine": "kvserve",
+        **rates(workload, elapsed_s),
+        "generated_tokens": generated,
+        "peak_rss_mib": peak_rss_mib(),
+        "steps": engine.counters.steps - steps_before,
+        "preemptions": engine.scheduler.num_preemptions - preemptions_before,
+        "ttft_ms": summarize((t.ttft_s for t in timings), 1e3),
+        "tpot_ms": summarize((t.tpot_s for t in timings), 1e3),
+    }
+    if generated != workload.num_output_tokens:
+        result["warning"] = f"generated {generated} tokens, the workload asked for {workload.num_output_tokens}"
+    return result
+
+
+def run_hf_peer(mode: str, spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    """One transformers mode in a child process; a failure is reported, not raised."""
+    name = f"transformers {mode}"
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps({**spec, "mode": mode}))
+        env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
+        proc = subprocess.run([sys.executable, "-m", "kvserve.bench.hf_peer", str(spec_path), str(out_path)],
+                              capture_output=True, text=True, env=env)
+        try:
+            peer = json.loads(out_path.read_text())
+        except (OSError, ValueError):
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            peer = {"error": f"the peer process exited with {proc.returncode}: {tail}"}
+    if "error" in peer:
+        return {"engine": name, "error": peer["error"]}
+    result = {"engine": name, **rates(workload, peer.pop("elapsed_s")), **peer}
+    if peer["generated_tokens"] > workload.num_output_tokens:
+        # static batches decode every row to the batch's longest output; only asked-for tokens count
+        result["note"] = f"generated {peer['generated_tokens']} tokens to deliver {workload.num_output_tokens}"
+    return result
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, float]:
+    """kvserve's output tokens/s over each peer's."""
+    ours = results[0]["output_tok_per_s"]
+    return {r["engine"]: ours / r["output_tok_per_s"] for r in results[1:] if "error" not in r}

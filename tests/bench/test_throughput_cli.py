@@ -1,0 +1,41 @@
+"""`kvserve bench throughput` on the tiny model, alone and against transformers."""
+
+from __future__ import annotations
+
+import json
+
+from kvserve.cli import main
+
+TINY = ["--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--kv-cache-memory", "4MiB"]
+
+
+def test_kvserve_alone_counts_exact_tokens(tiny_llama, tmp_path):
+    out = tmp_path / "thr.json"
+    assert main(["bench", "throughput", "--model", tiny_llama, *TINY, "--range-ratio", "0.5", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]
+    (ours,) = r["engines"]
+    assert ours["engine"] == "kvserve" and "warning" not in ours
+    assert ours["generated_tokens"] == r["workload"]["output_tokens"]  # ignore_eos: every length exact
+    assert ours["output_tok_per_s"] * ours["elapsed_s"] == r["workload"]["output_tokens"]
+    assert ours["peak_rss_mib"] > 0
+
+
+def test_compare_hf_runs_both_transformers_modes(tiny_llama, tmp_path, capsys):
+    out, png = tmp_path / "thr.json", tmp_path / "thr.png"
+    assert main(["bench", "throughput", "--model", tiny_llama, *TINY, "--compare", "hf",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    r = json.loads(out.read_text())["results"]
+    names = [e["engine"] for e in r["engines"]]
+    assert names == ["kvserve", "transformers generate", "transformers generate_batch"]
+    for peer in r["engines"][1:]:
+        assert "error" not in peer, peer
+        assert peer["generated_tokens"] == 16 and peer["peak_rss_mib"] > 0
+    assert set(r["ratios"]) == {"transformers generate", "transformers generate_batch"}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert "kvserve ×" in out and "transformers generate_batch" in out
+
+
+def test_unknown_hf_mode_is_one_line(capsys):
+    assert main(["bench", "throughput", "--compare", "hf", "--hf-modes", "generate,beam"]) == 1
+    assert "--hf-modes" in capsys.readouterr().err
