@@ -14,14 +14,15 @@ from tests.tiny_models import load_reference
 ATOL = 2e-4
 
 
-def _engine(path: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory="8MiB"))
+def _engine(path: str, cpu_kernels: bool = True) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory="8MiB", cpu_kernels=cpu_kernels))
 
 
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch-path", "kernels"])
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
-def test_prefill_and_each_decode_step_match_transformers(tiny_model_dirs, variant):
+def test_prefill_and_each_decode_step_match_transformers(tiny_model_dirs, variant, cpu_kernels):
     path = tiny_model_dirs[variant]
-    engine = _engine(path)
+    engine = _engine(path, cpu_kernels)
     ref = load_reference(path)
     prompt = engine.tokenizer.encode("What is the capital of France? The capital")
     driver = PagedDriver(engine)

@@ -61,11 +61,24 @@ def prefill_attention(
         out[seg.query_start : seg.query_start + m] = o
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H]."""
+def paged_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float, ops=None
+) -> torch.Tensor:
+    """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H].
+
+    With the CPU kernels loaded, decodes read the block pool in place through the block
+    tables; otherwise they gather and call SDPA (the reference path).
+    """
+    if meta.num_decodes and not meta.prefills and ops is not None:
+        return ops.paged_decode_attention(q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale)
+        if ops is not None:
+            out[: meta.num_decodes] = ops.paged_decode_attention(
+                q[: meta.num_decodes], k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
+        else:
+            out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale)
     if meta.prefills:
         prefill_attention(q, k_pool, v_pool, meta, scale, out)
     return out

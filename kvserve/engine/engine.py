@@ -89,7 +89,13 @@ class LLMEngine:
         self.max_model_len = min(model_len, layout.num_tokens)
         self.layout = layout
 
-        model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1)
+        ops = None
+        if config.cpu_kernels and config.torch_device.type == "cpu":
+            from kvserve.kernels import cpu_ops
+
+            ops = cpu_ops()
+        self.uses_cpu_kernels = ops is not None
+        model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1, ops=ops)
         loaded.weights.clear()
         self.model = model.to(config.torch_device)
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -301,7 +307,8 @@ class LLMEngine:
         return (
             f"model {self.model_name} ({self.arch.architecture}, {self.arch.num_layers} layers, "
             f"{self.arch.num_heads} query / {self.arch.num_kv_heads} KV heads, g={self.arch.queries_per_kv_head}) "
-            f"dtype {str(self.model.dtype).removeprefix('torch.')} on {self.config.torch_device}; "
+            f"dtype {str(self.model.dtype).removeprefix('torch.')} on {self.config.torch_device}"
+            f"{' (kvserve CPU kernels)' if self.uses_cpu_kernels else ''}; "
             f"KV cache: {layout.num_blocks} blocks x {layout.block_size} = {layout.num_tokens} tokens, "
             f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
             f"max_model_len {self.max_model_len}; loaded in {self.load_seconds:.1f}s"

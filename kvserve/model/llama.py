@@ -14,12 +14,15 @@ from torch import nn
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.paged import paged_attention, write_kv
 from kvserve.model.arch import ModelArchitecture
-from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
+from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary, linear
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str, ops=None):
         super().__init__()
+        self.ops = ops
+        # the decode-attention kernel vectorises head_dim in 16s, up to 128
+        self.attention_ops = ops if arch.head_dim % 16 == 0 and arch.head_dim <= 128 else None
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -40,25 +43,25 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = linear(x, self.qkv, self.qkv_bias, self.ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v)
-        out = paged_attention(q, self.k_pool, self.v_pool, meta, self.scale)
-        return F.linear(out.reshape(tokens, self.q_size), self.o)
+        out = paged_attention(q, self.k_pool, self.v_pool, meta, self.scale, self.attention_ops)
+        return linear(out.reshape(tokens, self.q_size), self.o, ops=self.ops)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int):
+    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int, ops=None):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(w[f"{prefix}.input_layernorm.weight"], arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, w, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(arch, w, f"{prefix}.self_attn", ops)
         self.post_attention_layernorm = RMSNorm(w[f"{prefix}.post_attention_layernorm.weight"], arch.rms_norm_eps)
         self.mlp = SiluMLP(
-            w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"], w[f"{prefix}.mlp.down_proj.weight"]
+            w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"], w[f"{prefix}.mlp.down_proj.weight"], ops
         )
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -67,11 +70,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchitecture, weights: dict[str, torch.Tensor], max_positions: int):
+    def __init__(self, arch: ModelArchitecture, weights: dict[str, torch.Tensor], max_positions: int, ops=None):
+        """`ops`: the optional CPU kernels (kvserve.kernels); None runs the plain-torch path."""
         super().__init__()
         self.arch = arch
+        self.ops = ops
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, weights, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, weights, i, ops) for i in range(arch.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps)
         if arch.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -97,4 +102,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the selected positions only; the LM head is the largest matmul."""
-        return F.linear(self.norm(hidden), self.lm_head).float()
+        return linear(self.norm(hidden), self.lm_head, ops=self.ops).float()

@@ -1,0 +1,74 @@
+"""Optional C++ CPU kernels (cpu_ops.cpp), built once per machine with torch's cpp_extension.
+
+They are used only where they can be: an x86 CPU with AVX512-BF16, a C++ compiler, and
+`KVSERVE_CPU_KERNELS` not set to 0. Anywhere else kvserve runs the plain-torch reference
+path, which the kernels are tested against. The build (~40 s) lands in the kvserve cache
+directory, keyed by the source's hash, so it happens once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be used here, or None if they can."""
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return "disabled by KVSERVE_CPU_KERNELS=0"
+    missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
+        return "no C++ compiler on PATH"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_ops():
+    """The compiled module, or None (with the reason logged once)."""
+    reason = unavailable_reason()
+    if reason:
+        logger.info("CPU kernels off: %s; using the plain-torch path", reason)
+        return None
+    from torch.utils.cpp_extension import load
+
+    from kvserve.model.weight_cache import cache_root
+
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    name = f"kvserve_cpu_ops_{digest}"
+    build_dir = cache_root() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        logger.warning("building kvserve CPU kernels (once per machine, ~40 s)")
+    try:
+        return load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # a broken toolchain must not stop the engine
+        logger.warning("CPU kernels failed to build (%s); using the plain-torch path", exc)
+        return None

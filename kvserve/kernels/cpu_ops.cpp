@@ -1,0 +1,275 @@
+// CPU kernels for the two memory-bound parts of decode, where PyTorch's generic paths
+// read far below the machine's bandwidth:
+//   gemv_bf16         y[M, N] = x[M, K] · w[N, K]ᵀ for small M (batch-1..8 decode), bf16
+//                     weights streamed once with AVX512-BF16 dot products, fp32 accumulation.
+//   paged_decode_attention
+//                     one new query per request attending to its S0 + 1 cached positions,
+//                     read in place from the block pool through the block table (no gather
+//                     copy), g query heads of a KV head sharing each K/V row read.
+// The plain-torch path in kvserve/attention/paged.py stays the reference they are tested
+// against; kvserve/kernels/__init__.py falls back to it where these cannot be built.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline void store16(at::BFloat16* p, __m512 v) {
+  // round to nearest even, as torch does
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+inline at::BFloat16 to_bf16(float f) { return at::BFloat16(f); }
+
+// e^x for 16 lanes: 2^(x·log2 e) split into an integer power (scalef) and a degree-6
+// polynomial on the fraction; relative error ~1e-7, far below bf16's and the softmax's needs.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Softmax of n scores in place (fp32).
+inline void softmax_inplace(float* sc, int64_t n) {
+  const int64_t nv = n / 16 * 16;
+  __m512 mxv = _mm512_set1_ps(-INFINITY);
+  for (int64_t s = 0; s < nv; s += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sc + s));
+  float mx = _mm512_reduce_max_ps(mxv);
+  for (int64_t s = nv; s < n; ++s) mx = std::max(mx, sc[s]);
+  const __m512 mxb = _mm512_set1_ps(mx);
+  __m512 sumv = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nv; s += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + s), mxb));
+    _mm512_storeu_ps(sc + s, e);
+    sumv = _mm512_add_ps(sumv, e);
+  }
+  float sum = _mm512_reduce_add_ps(sumv);
+  for (int64_t s = nv; s < n; ++s) { sc[s] = std::exp(sc[s] - mx); sum += sc[s]; }
+  const float inv = 1.f / sum;
+  const __m512 invb = _mm512_set1_ps(inv);
+  for (int64_t s = 0; s < nv; s += 16) _mm512_storeu_ps(sc + s, _mm512_mul_ps(_mm512_loadu_ps(sc + s), invb));
+  for (int64_t s = nv; s < n; ++s) sc[s] *= inv;
+}
+
+// Horizontal sums of 16 vectors at once: returns r with r[k] = sum of all lanes of the
+// vector for item k, in 15 shuffle-adds instead of 16 full reductions. The shuffle tree
+// leaves item (L + 4e) in lane (4L + e), so callers store item k at index slot16(k).
+inline int slot16(int k) { return (k % 4) * 4 + k / 4; }
+
+inline __m512 transpose_sum16(__m512* v) {
+  for (int i = 0; i < 8; ++i) {  // halves of 512 bits: 128-bit lanes {0,1} + {2,3}
+    __m512 a = v[2 * i], b = v[2 * i + 1];
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes {0,2} + {1,3}
+    __m512 a = v[2 * i], b = v[2 * i + 1];
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // within 128-bit lanes: elements {0,1} + {2,3}
+    __m512 a = v[2 * i], b = v[2 * i + 1];
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  __m512 a = v[0], b = v[1];  // elements {0,2} + {1,3}
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// ---- GEMV ---------------------------------------------------------------------------
+
+constexpr int kRows = 4;  // weight rows per inner step: each x load feeds 4 dot products
+
+template <int M>
+void gemv_block(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t K, int64_t N,
+                int64_t n_begin, int64_t n_end) {
+  const int64_t k_vec = K / 32 * 32;
+  for (int64_t n = n_begin; n < n_end; n += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, n_end - n));
+    __m512 acc[M][kRows];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_vec; k += 32) {
+      __m512bh wv[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        const at::BFloat16* row = w + (n + (r < rows ? r : 0)) * K + k;
+        _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K), _MM_HINT_T0);
+        wv[r] = (__m512bh)_mm512_loadu_si512(row);
+      }
+      for (int m = 0; m < M; ++m) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int r = 0; r < rows; ++r) {
+        float sum = _mm512_reduce_add_ps(acc[m][r]);
+        for (int64_t k = k_vec; k < K; ++k)
+          sum += static_cast<float>(x[m * K + k]) * static_cast<float>(w[(n + r) * K + k]);
+        y[m * N + n + r] = to_bf16(sum);
+      }
+    }
+  }
+}
+
+template <int M>
+void gemv_dispatch(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t K, int64_t N) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    gemv_block<M>(x, w, y, K, N, b0 * kRows, std::min(N, b1 * kRows));
+  });
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: shapes");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "gemv_bf16: 1 <= M <= 8");
+  auto y = torch::empty({M, N}, x.options());
+  auto* xp = x.data_ptr<at::BFloat16>();
+  auto* wp = w.data_ptr<at::BFloat16>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  switch (M) {
+    case 1: gemv_dispatch<1>(xp, wp, yp, K, N); break;
+    case 2: gemv_dispatch<2>(xp, wp, yp, K, N); break;
+    case 3: gemv_dispatch<3>(xp, wp, yp, K, N); break;
+    case 4: gemv_dispatch<4>(xp, wp, yp, K, N); break;
+    case 5: gemv_dispatch<5>(xp, wp, yp, K, N); break;
+    case 6: gemv_dispatch<6>(xp, wp, yp, K, N); break;
+    case 7: gemv_dispatch<7>(xp, wp, yp, K, N); break;
+    default: gemv_dispatch<8>(xp, wp, yp, K, N); break;
+  }
+  return y;
+}
+
+// ---- paged decode attention ---------------------------------------------------------------
+
+namespace {
+
+constexpr int64_t kMaxG = 16;
+
+template <typename T>
+void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const int32_t* block_tables,
+                           const int32_t* context_lens, T* out, int64_t B, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t g = num_heads / num_kv_heads;
+  TORCH_CHECK(g <= kMaxG, "at most 16 query heads per KV head");
+  const int64_t slot_stride = num_kv_heads * head_dim;  // elements per pool slot
+  const int64_t hv = head_dim / 16;
+  at::parallel_for(0, B * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<__m512> qv(g * hv), acc(g * hv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t S = context_lens[b];
+      const int32_t* table = block_tables + b * max_blocks;
+      scores.assign(g * S, 0.f);
+      for (int64_t j = 0; j < g; ++j)
+        for (int64_t d = 0; d < hv; ++d)
+          qv[j * hv + d] = _mm512_mul_ps(load16(q + (b * num_heads + kvh * g + j) * head_dim + d * 16), _mm512_set1_ps(scale));
+      // pass 1: scores, each K row read once for all g query heads; 16 positions at a
+      // time so their dot products are reduced together
+      auto k_row = [&](int64_t pos) {
+        return k_pool + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * slot_stride + kvh * head_dim;
+      };
+      const int64_t s_vec = S / 16 * 16;
+      __m512 dots[kMaxG][16];
+      for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
+        for (int k = 0; k < 16; ++k) {
+          const T* krow = k_row(s0 + k);
+          __m512 kv_[8];
+          for (int64_t d = 0; d < hv; ++d) kv_[d] = load16(krow + d * 16);
+          for (int64_t j = 0; j < g; ++j) {
+            __m512 dot = _mm512_mul_ps(qv[j * hv], kv_[0]);
+            for (int64_t d = 1; d < hv; ++d) dot = _mm512_fmadd_ps(qv[j * hv + d], kv_[d], dot);
+            dots[j][slot16(k)] = dot;
+          }
+        }
+        for (int64_t j = 0; j < g; ++j) _mm512_storeu_ps(scores.data() + j * S + s0, transpose_sum16(dots[j]));
+      }
+      for (int64_t s = s_vec; s < S; ++s) {
+        const T* krow = k_row(s);
+        for (int64_t j = 0; j < g; ++j) {
+          __m512 dot = _mm512_setzero_ps();
+          for (int64_t d = 0; d < hv; ++d) dot = _mm512_fmadd_ps(qv[j * hv + d], load16(krow + d * 16), dot);
+          scores[j * S + s] = _mm512_reduce_add_ps(dot);
+        }
+      }
+      // softmax per query head, in fp32
+      for (int64_t j = 0; j < g; ++j) {
+        float* sc = scores.data() + j * S;
+        softmax_inplace(sc, S);
+      }
+      // pass 2: weighted sum of V rows, each read once for all g query heads
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t s = 0; s < S; ++s) {
+        const T* vrow = v_pool + (static_cast<int64_t>(table[s / block_size]) * block_size + s % block_size) * slot_stride + kvh * head_dim;
+        for (int64_t d = 0; d < hv; ++d) {
+          __m512 v = load16(vrow + d * 16);
+          for (int64_t j = 0; j < g; ++j)
+            acc[j * hv + d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * S + s]), v, acc[j * hv + d]);
+        }
+      }
+      for (int64_t j = 0; j < g; ++j)
+        for (int64_t d = 0; d < hv; ++d)
+          store16(out + (b * num_heads + kvh * g + j) * head_dim + d * 16, acc[j * hv + d]);
+    }
+  });
+}
+
+}  // namespace
+
+// q: [B, N_q, H]; pools: [num_blocks, block_size, N_kv, H]; block_tables: [B, max_blocks] int32;
+// context_lens: [B] int32 (S0 + 1, the new position's K/V already written). Returns [B, N_q, H].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4, "paged_decode_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtypes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 128, "head_dim must be a multiple of 16, at most 128");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_pool.size(2), block_size = k_pool.size(1);
+  if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
+                                        block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(),
+                                        B, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "bf16 or fp32");
+    decode_attention_impl<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                 block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
+                                 B, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale));
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+}

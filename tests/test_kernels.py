@@ -1,0 +1,74 @@
+"""The C++ CPU kernels agree with the plain-torch reference path they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.paged import decode_attention
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.kernels import cpu_ops, unavailable_reason
+from tests.paged_driver import PagedDriver
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (1728, 576), (37, 40)])
+def test_gemv_matches_fp32_reference(rows, out_features, in_features):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = torch.randn(out_features, in_features).bfloat16()
+    expected = x.float() @ w.float().T
+    got = ops.gemv_bf16(x, w).float()
+    # one bf16 rounding of the fp32-accumulated result
+    torch.testing.assert_close(got, expected, atol=0, rtol=2**-8)
+
+
+def _decode_case(dtype, batch, num_heads, num_kv_heads, head_dim, lens, block_size=16, num_blocks=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(batch)]).to(torch.int32)
+    ctx = torch.arange(max(lens))
+    slots = tables[:, ctx // block_size].long() * block_size + ctx % block_size
+    mask = (ctx.unsqueeze(0) < lens_t.unsqueeze(1)).view(batch, 1, 1, -1)
+    meta = AttentionMetadata(None, batch, slots, mask, lens_t, tables, [])
+    return q, k, v, meta
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, lens",
+    [(9, 3, 64, [1, 17, 200, 33]), (4, 4, 16, [5, 16, 48]), (8, 2, 128, [100]), (6, 2, 32, [31, 64, 65, 2])],
+)
+def test_decode_attention_matches_reference(dtype, tol, num_heads, num_kv_heads, head_dim, lens):
+    q, k, v, meta = _decode_case(dtype, len(lens), num_heads, num_kv_heads, head_dim, lens)
+    scale = head_dim**-0.5
+    expected = decode_attention(q.float(), k.float(), v.float(), meta, scale)
+    got = ops.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, scale)
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_logits_with_and_without_kernels(tiny_llama, dtype):
+    def run(cpu_kernels):
+        engine = LLMEngine(
+            EngineConfig(model=tiny_llama, dtype=dtype, device="cpu", kv_cache_memory="4MiB", cpu_kernels=cpu_kernels)
+        )
+        assert engine.uses_cpu_kernels == cpu_kernels
+        driver = PagedDriver(engine)
+        req = driver.new_request(engine.tokenizer.encode("The quick brown fox jumps over the lazy dog"))
+        out = [driver.prefill(req)]
+        for token in (5, 9, 11):
+            out.append(driver.decode(req, token))
+        return torch.stack(out)
+
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(run(True), run(False), atol=tol, rtol=tol)
