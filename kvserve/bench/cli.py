@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ def register(subparsers) -> None:
     srv = sub.add_parser("serve", help="load an OpenAI-compatible server at a sweep of request rates")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
     srv.add_argument("--model-name", default=None, help="model field of the requests (default: the first of /v1/models)")
+    srv.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY, if set)")
     _add_workload(srv, num_prompts=64)
     srv.add_argument("--request-rate", default="inf", help="requests/s, comma-separated for a sweep; inf sends all at once (default inf)")
     srv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson, <1 burstier (default 1)")
@@ -249,7 +251,8 @@ def _serve(args: argparse.Namespace) -> int:
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
 
     settings = ServeSettings(
-        url=args.url, model_name=args.model_name, num_prompts=args.num_prompts, input_len=args.input_len,
+        url=args.url, model_name=args.model_name, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        num_prompts=args.num_prompts, input_len=args.input_len,
         output_len=args.output_len, range_ratio=args.range_ratio, request_rates=rates, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, prompt_format=args.prompt_format, vocab_size=args.vocab_size,
         warmup_requests=args.warmup_requests, timeout_s=args.request_timeout_s, seed=args.seed,

@@ -76,7 +76,7 @@ def envelope(benchmark: str, args: dict[str, Any], results: dict[str, Any]) -> d
     return {
         "benchmark": benchmark,
         "command": command_line(),
-        "args": {k: v for k, v in args.items() if k != "func" and not callable(v)},
+        "args": {k: ("<redacted>" if "key" in k and v else v) for k, v in args.items() if k != "func" and not callable(v)},
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "machine": describe_machine(),

@@ -21,6 +21,7 @@ from kvserve.bench.workload import build_workload
 class ServeSettings:
     url: str
     model_name: str | None = None
+    api_key: str | None = None
     num_prompts: int = 64
     input_len: int = 128
     output_len: int = 128
@@ -52,8 +53,9 @@ def rate_label(rate: float) -> str | float:
 
 def run_serve(settings: ServeSettings) -> dict[str, Any]:
     base = api_base(settings.url)
-    model = settings.model_name or discover_model(base, min(settings.timeout_s, 30.0))
-    common = dict(burstiness=settings.burstiness, timeout_s=settings.timeout_s, progress=settings.progress)
+    model = settings.model_name or discover_model(base, min(settings.timeout_s, 30.0), settings.api_key)
+    common = dict(burstiness=settings.burstiness, timeout_s=settings.timeout_s, progress=settings.progress,
+                  api_key=settings.api_key)
 
     if settings.warmup_requests:
         prompts, lens, outs = _prompts(settings, settings.warmup_requests, settings.input_len, min(settings.output_len, 8), seed=10_000 + settings.seed)

@@ -34,10 +34,14 @@ def api_base(url: str) -> str:
     return base if base.endswith("/v1") else base + "/v1"
 
 
-def discover_model(base: str, timeout_s: float) -> str:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def discover_model(base: str, timeout_s: float, api_key: str | None = None) -> str:
     """The first model the server lists at /v1/models."""
     try:
-        response = httpx.get(base + "/models", timeout=timeout_s)
+        response = httpx.get(base + "/models", timeout=timeout_s, headers=auth_headers(api_key))
         response.raise_for_status()
         models = response.json().get("data") or []
     except (httpx.HTTPError, ValueError) as exc:
@@ -58,7 +62,7 @@ def text_prompt(num_words: int, seed: int) -> str:
 
 async def _run(base: str, model: str, prompts: list, prompt_lens: list[int], output_lens: list[int],
                rate: float, burstiness: float, max_concurrency: int | None, seed: int,
-               timeout_s: float, progress: bool, desc: str) -> tuple[list[RequestRecord], float]:
+               timeout_s: float, progress: bool, desc: str, api_key: str | None) -> tuple[list[RequestRecord], float]:
     url = base + "/completions"
     offsets = send_times_s(interarrival_gaps_s(len(prompts), rate, burstiness, seed))
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -66,7 +70,7 @@ async def _run(base: str, model: str, prompts: list, prompt_lens: list[int], out
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not progress, leave=False)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=auth_headers(api_key)) as client:
         async def one(i: int) -> RequestRecord:
             payload = completion_payload(model, prompts[i], output_lens[i])
             if slots is None:
@@ -92,10 +96,10 @@ async def _run(base: str, model: str, prompts: list, prompt_lens: list[int], out
 
 def run_at_rate(base: str, model: str, prompts: list, prompt_lens: list[int], output_lens: list[int], *,
                 rate: float, burstiness: float, max_concurrency: int | None, seed: int, timeout_s: float,
-                progress: bool) -> tuple[list[RequestRecord], float]:
+                progress: bool, api_key: str | None = None) -> tuple[list[RequestRecord], float]:
     desc = f"rate {rate:g} req/s" + (f", ≤{max_concurrency} in flight" if max_concurrency else "")
     return asyncio.run(_run(base, model, prompts, prompt_lens, output_lens, rate, burstiness, max_concurrency, seed,
-                            timeout_s, progress, desc))
+                            timeout_s, progress, desc, api_key))
 
 
 def load_metrics(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict[str, Any]:

@@ -35,3 +35,12 @@ def test_prompt_longer_than_the_model_is_one_line(tiny_llama, capsys):
 def test_bad_prompt_lens_flag(capsys):
     assert main(["bench", "latency", "--prompt-lens", "12,abc"]) == 1
     assert "--prompt-lens" in capsys.readouterr().err
+
+
+def test_markdown_renders_the_json_with_its_command(tiny_llama, tmp_path, capsys):
+    from kvserve.bench.markdown import render
+
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", tiny_llama, *SMALL, "--prompt-lens", "16", "--json", str(out)]) == 0
+    text = render(str(out))
+    assert "| decode, batch 1 |" in text and "| prefill | 16 |" in text and str(out) in text
