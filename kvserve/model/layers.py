@@ -12,12 +12,19 @@ from kvserve.model.arch import ModelArchitecture
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, ops=None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.ops = ops if weight.shape[0] % 16 == 0 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x); with `residual`, first `residual += x` in place and normalise that
+        (the pre-norm residual stream of a decoder layer, one pass instead of two)."""
+        if self.ops is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
+            return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         # statistics in fp32 as the reference does; the result goes back to the model dtype
         dtype = x.dtype
         x32 = x.float()
@@ -59,6 +66,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos(), persistent=False)
         self.register_buffer("sin_table", emb.sin(), persistent=False)
+        # [max_pos, H/2]: both halves of a row are equal; the fused kernel reads one
+        self.register_buffer("cos_half", freqs.cos().contiguous(), persistent=False)
+        self.register_buffer("sin_half", freqs.sin().contiguous(), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for these positions, [T, 1, H]; computed once per step, shared by all layers."""
@@ -99,5 +109,9 @@ class SiluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up, ops=self.ops)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down, ops=self.ops)
+        if self.ops is not None and self.intermediate_size % 16 == 0 and gate_up.dtype in (torch.float32, torch.bfloat16):
+            hidden = self.ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate) * up
+        return linear(hidden, self.down, ops=self.ops)

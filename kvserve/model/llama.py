@@ -17,12 +17,30 @@ from kvserve.model.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary, linear
 
 
+class RopeInputs:
+    """The step's positions, with cos/sin rows looked up once (lazily) for all layers."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        self.positions = positions
+        self.cos_half = rotary.cos_half
+        self.sin_half = rotary.sin_half
+        self._rotary = rotary
+        self._dtype = dtype
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None:
+            self._cos_sin = self._rotary.lookup(self.positions, self._dtype)
+        return self._cos_sin
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str, ops=None):
         super().__init__()
         self.ops = ops
-        # the decode-attention kernel vectorises head_dim in 16s, up to 128
+        # the decode-attention kernel vectorises head_dim in 16s, up to 128; RoPE in 16-pairs
         self.attention_ops = ops if arch.head_dim % 16 == 0 and arch.head_dim <= 128 else None
+        self.rope_ops = ops if arch.head_dim % 32 == 0 else None
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -41,14 +59,21 @@ class LlamaAttention(nn.Module):
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: "RopeInputs", meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = linear(x, self.qkv, self.qkv_bias, self.ops)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v)
+        if self.rope_ops is not None and qkv.dtype in (torch.float32, torch.bfloat16):
+            q = self.rope_ops.rope_and_cache(
+                qkv, rope.positions, rope.cos_half, rope.sin_half, self.k_pool, self.v_pool, meta.slot_mapping,
+                self.num_heads, self.num_kv_heads, self.head_dim,
+            )  # fmt: skip
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            cos, sin = rope.cos_sin()
+            q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+            v = v.view(tokens, self.num_kv_heads, self.head_dim)
+            write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v)
         out = paged_attention(q, self.k_pool, self.v_pool, meta, self.scale, self.attention_ops)
         return linear(out.reshape(tokens, self.q_size), self.o, ops=self.ops)
 
@@ -57,16 +82,24 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int, ops=None):
         super().__init__()
         prefix = f"model.layers.{index}"
-        self.input_layernorm = RMSNorm(w[f"{prefix}.input_layernorm.weight"], arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(w[f"{prefix}.input_layernorm.weight"], arch.rms_norm_eps, ops)
         self.self_attn = LlamaAttention(arch, w, f"{prefix}.self_attn", ops)
-        self.post_attention_layernorm = RMSNorm(w[f"{prefix}.post_attention_layernorm.weight"], arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(w[f"{prefix}.post_attention_layernorm.weight"], arch.rms_norm_eps, ops)
         self.mlp = SiluMLP(
             w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"], w[f"{prefix}.mlp.down_proj.weight"], ops
         )
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: "RopeInputs", meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual stream: `residual` carries the sum, `h` the latest branch output."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x = self.input_layernorm(h, residual)
+        h = self.self_attn(x, rope, meta)
+        x = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -77,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, weights, i, ops) for i in range(arch.num_layers))
-        self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps)
+        self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps, ops)
         if arch.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -95,10 +128,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.lookup(positions, h.dtype)
+        rope = RopeInputs(self.rotary, positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
-        return h
+            h, residual = layer(h, residual, rope, meta)
+        return residual.add_(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the selected positions only; the LM head is the largest matmul."""
