@@ -85,7 +85,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
 
     @app.get("/health")
     async def health() -> Response:
-        if not _engine_alive(engine):
+        if not ctx.engine_alive():
             return JSONResponse(error_body("the engine is not running", "service_unavailable"), status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -103,8 +103,3 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
 def _model_card(ctx: ServingContext) -> ModelCard:
     return ModelCard(id=ctx.model_name, root=ctx.engine.engine.model_name, max_model_len=ctx.max_model_len)
 
-
-def _engine_alive(engine: AsyncLLMEngine) -> bool:
-    # AsyncLLMEngine has no public liveness accessor yet; its thread and accept flag tell
-    thread = getattr(engine, "_thread", None)
-    return bool(getattr(engine, "_accepting", True)) and (thread is None or thread.is_alive())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.config import ServerConfig
@@ -33,6 +33,11 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    def engine_alive(self) -> bool:
+        # AsyncLLMEngine has no public liveness accessor yet; its thread and accept flag tell
+        thread = getattr(self.engine, "_thread", None)
+        return bool(getattr(self.engine, "_accepting", True)) and (thread is None or thread.is_alive())
+
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise model_not_found(requested, self.model_name)
@@ -50,6 +55,8 @@ class ServingContext:
     ) -> tuple[str, RequestStream]:
         """Validate and tokenize the prompt, settle max_tokens, submit: (request id, its stream).
         Raises the typed errors that become 4xx answers, before anything is sent."""
+        if not self.engine_alive():
+            raise EngineDeadError("the engine is not running")
         try:
             ids = self.engine.prepare_prompt(prompt, params)
         except InvalidRequestError as exc:

@@ -10,6 +10,7 @@ the wait.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import sys
 
@@ -64,6 +65,8 @@ class _Server(uvicorn.Server):
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             auth = "API key required on /v1" if self.server_config.api_key else "no API key"
+            if not self.server_config.api_key and not _is_loopback(host):
+                _say(f"warning: {host} is reachable from other machines and no --api-key is set")
             _say(f"serving {self.model_name} at {_address(host, port)}/v1 ({auth}); also /health /metrics /tokenize /detokenize")
 
     async def shutdown(self, sockets=None) -> None:
@@ -85,6 +88,13 @@ class _Server(uvicorn.Server):
 
 def _address(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _say(message: str) -> None:

@@ -23,9 +23,9 @@ _ADDRESS = re.compile(r"serving (\S+) at (http://\S+)/v1")
 
 
 class ServerProcess:
-    def __init__(self, model: str, log_path: Path, *flags: str, env: dict | None = None):
+    def __init__(self, model: str, log_path: Path, *flags: str, dtype: str = "float32", env: dict | None = None):
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", "0", "--dtype", "float32"]
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", "0", "--dtype", dtype]
         cmd += ["--device", "cpu", "--threads", "1", *flags]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
