@@ -12,6 +12,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine
@@ -50,7 +51,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+    @app.exception_handler(ClientDisconnect)  # left while still sending its body
+    async def _gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
 
     # the last added runs first: the key is checked before a byte of the body is read
