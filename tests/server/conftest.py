@@ -50,9 +50,9 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def terminate(self, timeout_s: float = 60) -> int:
-        """SIGTERM, then the exit status."""
-        self.proc.send_signal(signal.SIGTERM)
+    def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        """Signal it (SIGTERM by default), then the exit status."""
+        self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout_s)
         finally:

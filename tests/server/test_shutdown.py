@@ -1,7 +1,8 @@
-"""Start-up report, and SIGTERM: stop accepting, finish (or abort) what is in flight, exit 0."""
+"""Start-up report, and SIGTERM/SIGINT: stop accepting, finish (or abort) what is in flight, exit 0."""
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import httpx
@@ -29,8 +30,12 @@ def _stream_in_background(url: str) -> tuple[threading.Event, list[str]]:
     return started, lines
 
 
-@pytest.mark.parametrize("drain_s, finish", [("30", '"finish_reason":"length"'), ("0", '"finish_reason":"abort"')])
-def test_sigterm_drains_then_exits_cleanly(tiny_llama, tmp_path, drain_s, finish):
+@pytest.mark.parametrize(
+    "sig, drain_s, finish",
+    [(signal.SIGTERM, "30", '"finish_reason":"length"'), (signal.SIGINT, "0", '"finish_reason":"abort"')],
+    ids=["SIGTERM, time to drain", "SIGINT, no time to drain"],
+)
+def test_signal_drains_then_exits_cleanly(tiny_llama, tmp_path, sig, drain_s, finish):
     server = ServerProcess(tiny_llama, tmp_path / "serve.log", "--drain-timeout", drain_s, "--kv-cache-memory", "4MiB")
     log = server.log()
     assert "c_kv" in log and "blocks" in log and "dtype float32" in log  # the start-up report
@@ -38,7 +43,7 @@ def test_sigterm_drains_then_exits_cleanly(tiny_llama, tmp_path, drain_s, finish
 
     started, lines = _stream_in_background(server.url)
     assert started.wait(30)
-    assert server.terminate() == 0, server.log()
+    assert server.terminate(sig) == 0, server.log()
     assert "shutting down" in server.log() and "kvserve: stopped" in server.log()
     # with time to drain, the stream ran to its end; without, it was ended, not dropped
     events = [line for line in lines if line.startswith("data: ")]
