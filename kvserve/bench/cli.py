@@ -19,6 +19,7 @@ from kvserve.engine_args import add_engine_args, engine_config_from_args
 from kvserve.errors import ConfigError
 
 MIB = 2**20
+BUSY_WARNING_FRACTION = 0.1
 
 
 def register(subparsers) -> None:
@@ -124,13 +125,28 @@ def _check_workload(args: argparse.Namespace) -> None:
         raise ConfigError("--range-ratio", f"must be in [0, 1), got {args.range_ratio}")
 
 
-def _write_outputs(args: argparse.Namespace, benchmark: str, results: dict[str, Any], plot_fn=None) -> None:
+def _before_run(args: argparse.Namespace):
+    """(how busy the CPUs were before, a meter of other processes' CPU time during the run).
+    Only a JSON records them, so only then is the half second spent."""
+    from kvserve.bench.machine import ContentionMeter, contention_before_run
+
+    return (contention_before_run() if args.json else None), ContentionMeter()
+
+
+def _write_outputs(args: argparse.Namespace, benchmark: str, results: dict[str, Any], plot_fn, contention) -> None:
     from kvserve.bench.machine import envelope
 
+    before, meter = contention
+    during = meter.read()
+    others = during.get("others_cpu_fraction")
+    # for `bench serve` a local server is one of the "others": no warning there
+    if benchmark != "serve" and others is not None and others > BUSY_WARNING_FRACTION:
+        print(f"note: other processes took {100 * others:.0f}% of the CPUs during this run; the figures are not the "
+              "engine's alone", file=sys.stderr)
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(envelope(benchmark, vars(args), results), indent=2) + "\n")
+        path.write_text(json.dumps(envelope(benchmark, vars(args), results, before, during), indent=2) + "\n")
         print(f"wrote {path}", file=sys.stderr)
     if plot_fn and getattr(args, "plot", None):
         path = Path(args.plot)
@@ -173,6 +189,7 @@ def _latency(args: argparse.Namespace) -> int:
     if not args.calibration_seconds > 0:
         raise ConfigError("--calibration-seconds", f"must be > 0, got {args.calibration_seconds}")
 
+    contention = _before_run(args)
     llm = _engine(args)
     check_fits(llm.engine, settings)
     device = str(llm.engine.config.torch_device)
@@ -180,7 +197,7 @@ def _latency(args: argparse.Namespace) -> int:
     limits = measure_machine(device, int(args.read_mib * MIB), args.gemm_size, args.calibration_seconds)
     results = run_latency(llm.engine, settings, limits)
     report.print_latency(results)
-    _write_outputs(args, "latency", results, plot.plot_latency)
+    _write_outputs(args, "latency", results, plot.plot_latency, contention)
     return 0
 
 
@@ -198,6 +215,7 @@ def _throughput(args: argparse.Namespace) -> int:
         raise ConfigError("--hf-modes", f"expected a comma-separated subset of {', '.join(MODES)}, got {args.hf_modes!r}")
     _at_least("--hf-batch-size", args.hf_batch_size, 1)
 
+    contention = _before_run(args)
     llm = _engine(args)
     engine = llm.engine
     longest = round(args.input_len * (1 + args.range_ratio)) + round(args.output_len * (1 + args.range_ratio))
@@ -227,7 +245,7 @@ def _throughput(args: argparse.Namespace) -> int:
     results = {"model": engine.model_name, "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
                "workload": workload.describe(), "engines": engines, "ratios": ratios(engines)}
     report.print_throughput(results)
-    _write_outputs(args, "throughput", results, plot.plot_throughput)
+    _write_outputs(args, "throughput", results, plot.plot_throughput, contention)
     return 0
 
 
@@ -259,7 +277,8 @@ def _serve(args: argparse.Namespace) -> int:
         slo=SLO(ttft_s=ms(args.slo_ttft_ms), tpot_s=ms(args.slo_tpot_ms), e2e_s=ms(args.slo_e2e_ms)),
         progress=not args.no_progress,
     )
+    contention = _before_run(args)
     results = run_serve(settings)
     report.print_serve(results)
-    _write_outputs(args, "serve", results, plot.plot_serve)
+    _write_outputs(args, "serve", results, plot.plot_serve, contention)
     return 0

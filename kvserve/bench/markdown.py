@@ -24,7 +24,13 @@ def _provenance(data: dict[str, Any], path: str) -> list[str]:
     where = f"{m['cpu']}, {m['logical_cpus']} CPUs, {m['torch_threads']} torch threads, torch {m['torch']}"
     if m.get("gpu"):
         where += f", {m['gpu']}"
-    load = f", load average {m['load_avg_1m']} at start" if m.get("load_avg_1m") is not None else ""
+    before = m.get("before_run") or {}
+    load = ""
+    if before.get("cpu_busy_fraction") is not None:
+        load = f"; CPUs {100 * before['cpu_busy_fraction']:.0f}% busy just before the run"
+    during = m.get("during_run") or {}
+    if during.get("others_cpu_fraction") is not None:
+        load += f", other processes took {100 * during['others_cpu_fraction']:.0f}% of the CPUs during it"
     return [
         f"Command: `{data['command'] or '(run in-process; args in the JSON)'}`  ",
         f"Measured {data['measured_at']} at commit `{data['commit']}` on {where}{load}. Figures: `{path}`.",
