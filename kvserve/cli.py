@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvserve … | head` closed the pipe: not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

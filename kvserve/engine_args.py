@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.config import EngineConfig
-
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -24,7 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
 
 
-def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, **overrides):
+    from kvserve.config import EngineConfig  # imports torch: only once a command runs
+
     values = dict(
         model=args.model,
         dtype=args.dtype,

@@ -34,7 +34,7 @@ class PagedDriver:
         logits = self.engine.runner.execute(batch)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        return {s.request.request_id: logits[i] for i, s in enumerate(batch.sampling)}
+        return {s.request.request_id: logits[i].float() for i, s in enumerate(batch.sampling)}
 
     def prefill(self, req: Request, chunk: int | None = None) -> torch.Tensor:
         """All remaining known tokens, in chunks of `chunk` positions; logits of the last."""

@@ -72,3 +72,13 @@ def test_engine_logits_with_and_without_kernels(tiny_llama, dtype):
 
     tol = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(run(True), run(False), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch_with_ties(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(7, 1000).to(dtype)
+    x[3, 17] = x[3, 900] = 50  # a tie: the lower index wins, as in torch.argmax
+    x[5, -1] = 60  # in the scalar tail (1000 = 62·16 + 8)
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    assert int(ops.argmax_rows(x)[3]) == 17

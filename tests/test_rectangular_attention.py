@@ -90,7 +90,7 @@ def test_chunks_run_without_history_then_concatenated_differ(engine):
             decode_mask=None,
             decode_context_lens=None,
             decode_block_tables=None,
-            prefills=[PrefillSegment(0, m, 0, slots, rectangular_causal_mask(0, m))],
+            prefills=[PrefillSegment(0, m, 0, slots, None)],
         )
         batch = StepBatch(
             input_ids=torch.tensor(prompt[start:end]),

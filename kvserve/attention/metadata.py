@@ -18,7 +18,9 @@ class PrefillSegment:
     num_new: int  # m
     num_cached: int  # S0
     context_slots: torch.Tensor  # [S0 + m] slot of every visible position, in order
-    causal_mask: torch.Tensor | None  # [m, S0 + m] bool (True = visible); None when m == 1
+    # [m, S0 + m] additive mask (0 visible, -inf hidden), built once per step for all layers;
+    # None when S0 = 0, where the plain causal mask applies
+    attn_bias: torch.Tensor | None
 
 
 @dataclasses.dataclass
@@ -46,3 +48,9 @@ def rectangular_causal_mask(num_cached: int, num_new: int) -> torch.Tensor:
     cols = torch.arange(num_cached + num_new)
     rows = torch.arange(num_new).unsqueeze(1)
     return cols <= rows + num_cached
+
+
+def rectangular_causal_bias(num_cached: int, num_new: int, dtype: torch.dtype) -> torch.Tensor:
+    """The same mask as an additive bias: 0 where visible, -inf where hidden."""
+    visible = rectangular_causal_mask(num_cached, num_new)
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))

@@ -2,8 +2,8 @@
 
 The K and V pools of a layer are `[num_blocks, block_size, N_kv, H]`; seen as
 `[num_slots, N_kv * H]`, a request's history is gathered with one `index_select`
-(far faster on CPU than advanced indexing). Query heads are folded per KV head,
-`[N_kv, g·m, H]`, so one SDPA call serves all g query heads of a KV head without
+(far faster on CPU than advanced indexing). For decode, query heads are folded per KV
+head, `[N_kv, g, H]`, so one SDPA call serves all g query heads of a KV head without
 repeating K/V (the GQA read pattern of the seed's §3).
 """
 
@@ -44,21 +44,27 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 def prefill_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
 ) -> None:
-    """Each segment's m queries attend to its S0 cached + m new positions (rectangular mask)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_pool.shape[-2]
-    g = num_heads // num_kv_heads
+    """Each segment's m queries attend to its S0 cached + m new positions (rectangular mask).
+
+    K/V heads are repeated to the query heads here: prefill is compute-bound, and SDPA's
+    fused causal path (no mask tensor at all when S0 = 0) beats every masked variant.
+    """
+    num_heads = q.shape[1]
+    g = num_heads // k_pool.shape[-2]
     for seg in meta.prefills:
         m = seg.num_new
-        qs = q[seg.query_start : seg.query_start + m]  # [m, N_q, H]
-        # [N_kv, g·m, H]: row r = (query head h % g, position r % m)
-        qf = qs.view(m, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, g * m, head_dim)
+        qs = q[seg.query_start : seg.query_start + m].transpose(0, 1).unsqueeze(0)  # [1, N_q, m, H]
         k = gather(k_pool, seg.context_slots).transpose(0, 1)  # [N_kv, S0+m, H]
         v = gather(v_pool, seg.context_slots).transpose(0, 1)
-        mask = None if seg.causal_mask is None else seg.causal_mask.repeat(g, 1)
-        o = F.scaled_dot_product_attention(qf.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)
-        o = o.view(num_kv_heads, g, m, head_dim).permute(2, 0, 1, 3).reshape(m, num_heads, head_dim)
-        out[seg.query_start : seg.query_start + m] = o
+        if g > 1:
+            k = k.repeat_interleave(g, dim=0)
+            v = v.repeat_interleave(g, dim=0)
+        if seg.num_cached == 0:
+            o = F.scaled_dot_product_attention(qs, k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=scale)
+        else:
+            bias = seg.attn_bias if seg.attn_bias.dtype == q.dtype else seg.attn_bias.to(q.dtype)
+            o = F.scaled_dot_product_attention(qs, k.unsqueeze(0), v.unsqueeze(0), attn_mask=bias, scale=scale)
+        out[seg.query_start : seg.query_start + m] = o[0].transpose(0, 1)
 
 
 def paged_attention(

@@ -102,6 +102,11 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def is_running(self) -> bool:
+        """Accepting requests, with the engine thread alive."""
+        return self._accepting and self._thread.is_alive()
+
     def num_in_flight(self) -> int:
         return len(self._streams)
 

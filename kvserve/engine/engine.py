@@ -101,7 +101,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.runner = ModelRunner(self.model, layout, config.torch_device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(ops)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Parent] = {}
         self.counters = EngineCounters()

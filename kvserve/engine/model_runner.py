@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_mask
+from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_bias
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.llama import LlamaForCausalLM
@@ -89,7 +89,7 @@ class ModelRunner:
                         num_new=m,
                         num_cached=start,
                         context_slots=slots.to(self.device),
-                        causal_mask=rectangular_causal_mask(start, m).to(self.device),
+                        attn_bias=rectangular_causal_bias(start, m, self.model.dtype).to(self.device) if start else None,
                     )
                 )
             if s.samples:
@@ -130,7 +130,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """One forward pass; returns fp32 logits [R, V] for the sampling rows, on the CPU."""
+        """One forward pass; returns logits [R, V] (model dtype) for the sampling rows, on the CPU."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         if not batch.sampling:
             return torch.empty((0, self.model.arch.vocab_size))

@@ -82,17 +82,41 @@ def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return (probs / q).argmax(dim=-1)
 
 
-class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: [R, V] fp32, one row per request that samples this step."""
-        num_logprobs = [r.sampling_params.logprobs for r in requests]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_logprobs) else None
+def _needs_processing(req: Request) -> bool:
+    p = req.sampling_params
+    return bool(
+        p.logit_bias
+        or (req.num_output_tokens < p.min_tokens)
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty
+        or p.presence_penalty
+    )
 
-        logits = logits.clone()
+
+class Sampler:
+    def __init__(self, ops=None):
+        self.ops = ops  # the CPU kernels' argmax, when loaded
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+            return self.ops.argmax_rows(logits.contiguous())
+        return logits.argmax(dim=-1)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [R, V] in the model's dtype, one row per request that samples this step."""
+        num_logprobs = [r.sampling_params.logprobs for r in requests]
+        want_logprobs = any(n is not None for n in num_logprobs)
+        if not want_logprobs and all(r.sampling_params.greedy and not _needs_processing(r) for r in requests):
+            # the common greedy case: no copy, no fp32 conversion of the whole vocabulary
+            ids = self._argmax(logits).tolist()
+            return SamplerOutput(ids, [None] * len(ids), [None] * len(ids))
+
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         _apply_bias_and_min_tokens(logits, requests)
         _apply_penalties(logits, requests)
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = self._argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
             sub = [requests[i] for i in random_rows]

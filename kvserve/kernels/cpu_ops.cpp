@@ -179,63 +179,68 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
   TORCH_CHECK(g <= kMaxG, "at most 16 query heads per KV head");
   const int64_t slot_stride = num_kv_heads * head_dim;  // elements per pool slot
   const int64_t hv = head_dim / 16;
-  at::parallel_for(0, B * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One work item per request: a slot's K (or V) row holds all KV heads side by side, so
+  // walking positions in order reads each block's memory front to back.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<__m512> qv(g * hv), acc(g * hv);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
+    std::vector<__m512> qv(num_heads * hv), acc(num_heads * hv);
+    __m512 dots[kMaxG][16];
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t S = context_lens[b];
       const int32_t* table = block_tables + b * max_blocks;
-      scores.assign(g * S, 0.f);
-      for (int64_t j = 0; j < g; ++j)
-        for (int64_t d = 0; d < hv; ++d)
-          qv[j * hv + d] = _mm512_mul_ps(load16(q + (b * num_heads + kvh * g + j) * head_dim + d * 16), _mm512_set1_ps(scale));
-      // pass 1: scores, each K row read once for all g query heads; 16 positions at a
-      // time so their dot products are reduced together
-      auto k_row = [&](int64_t pos) {
-        return k_pool + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * slot_stride + kvh * head_dim;
+      auto row = [&](const T* pool, int64_t pos) {
+        return pool + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * slot_stride;
       };
+      scores.resize(num_heads * S);
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t d = 0; d < hv; ++d)
+          qv[h * hv + d] = _mm512_mul_ps(load16(q + (b * num_heads + h) * head_dim + d * 16), _mm512_set1_ps(scale));
+      // pass 1: scores; 16 positions at a time so their dot products reduce together
       const int64_t s_vec = S / 16 * 16;
-      __m512 dots[kMaxG][16];
       for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
-        for (int k = 0; k < 16; ++k) {
-          const T* krow = k_row(s0 + k);
-          __m512 kv_[8];
-          for (int64_t d = 0; d < hv; ++d) kv_[d] = load16(krow + d * 16);
-          for (int64_t j = 0; j < g; ++j) {
-            __m512 dot = _mm512_mul_ps(qv[j * hv], kv_[0]);
-            for (int64_t d = 1; d < hv; ++d) dot = _mm512_fmadd_ps(qv[j * hv + d], kv_[d], dot);
-            dots[j][slot16(k)] = dot;
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          for (int k = 0; k < 16; ++k) {
+            const T* krow = row(k_pool, s0 + k) + kvh * head_dim;
+            __m512 kv_[8];
+            for (int64_t d = 0; d < hv; ++d) kv_[d] = load16(krow + d * 16);
+            for (int64_t j = 0; j < g; ++j) {
+              const __m512* qh = &qv[(kvh * g + j) * hv];
+              __m512 dot = _mm512_mul_ps(qh[0], kv_[0]);
+              for (int64_t d = 1; d < hv; ++d) dot = _mm512_fmadd_ps(qh[d], kv_[d], dot);
+              dots[j][slot16(k)] = dot;
+            }
           }
+          for (int64_t j = 0; j < g; ++j)
+            _mm512_storeu_ps(scores.data() + (kvh * g + j) * S + s0, transpose_sum16(dots[j]));
         }
-        for (int64_t j = 0; j < g; ++j) _mm512_storeu_ps(scores.data() + j * S + s0, transpose_sum16(dots[j]));
       }
       for (int64_t s = s_vec; s < S; ++s) {
-        const T* krow = k_row(s);
-        for (int64_t j = 0; j < g; ++j) {
+        const T* krow_all = row(k_pool, s);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const T* krow = krow_all + (h / g) * head_dim;
           __m512 dot = _mm512_setzero_ps();
-          for (int64_t d = 0; d < hv; ++d) dot = _mm512_fmadd_ps(qv[j * hv + d], load16(krow + d * 16), dot);
-          scores[j * S + s] = _mm512_reduce_add_ps(dot);
+          for (int64_t d = 0; d < hv; ++d) dot = _mm512_fmadd_ps(qv[h * hv + d], load16(krow + d * 16), dot);
+          scores[h * S + s] = _mm512_reduce_add_ps(dot);
         }
       }
-      // softmax per query head, in fp32
-      for (int64_t j = 0; j < g; ++j) {
-        float* sc = scores.data() + j * S;
-        softmax_inplace(sc, S);
-      }
-      // pass 2: weighted sum of V rows, each read once for all g query heads
+      for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * S, S);
+      // pass 2: weighted sum of V rows, each read once for all g query heads of its KV head
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t s = 0; s < S; ++s) {
-        const T* vrow = v_pool + (static_cast<int64_t>(table[s / block_size]) * block_size + s % block_size) * slot_stride + kvh * head_dim;
-        for (int64_t d = 0; d < hv; ++d) {
-          __m512 v = load16(vrow + d * 16);
-          for (int64_t j = 0; j < g; ++j)
-            acc[j * hv + d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * S + s]), v, acc[j * hv + d]);
+        const T* vrow_all = row(v_pool, s);
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          const T* vrow = vrow_all + kvh * head_dim;
+          for (int64_t d = 0; d < hv; ++d) {
+            const __m512 v = load16(vrow + d * 16);
+            for (int64_t j = 0; j < g; ++j) {
+              const int64_t h = kvh * g + j;
+              acc[h * hv + d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * S + s]), v, acc[h * hv + d]);
+            }
+          }
         }
       }
-      for (int64_t j = 0; j < g; ++j)
-        for (int64_t d = 0; d < hv; ++d)
-          store16(out + (b * num_heads + kvh * g + j) * head_dim + d * 16, acc[j * hv + d]);
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t d = 0; d < hv; ++d) store16(out + (b * num_heads + h) * head_dim + d * 16, acc[h * hv + d]);
     }
   });
 }
@@ -444,7 +449,61 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// ---- greedy sampling ---------------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  // per-lane running max and the first index reaching it; ties keep the lowest index
+  const int64_t nv = n / 16 * 16;
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_idx = _mm512_setzero_si512();
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (int64_t i = 0; i < nv; i += 16) {
+    __m512 v = load16(x + i);
+    __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  alignas(64) float vals[16];
+  alignas(64) int32_t ids[16];
+  _mm512_store_ps(vals, best);
+  _mm512_store_si512(ids, best_idx);
+  float top = -INFINITY;
+  int64_t arg = 0;
+  for (int lane = 0; lane < 16; ++lane)
+    if (vals[lane] > top || (vals[lane] == top && ids[lane] < arg)) { top = vals[lane]; arg = ids[lane]; }
+  for (int64_t i = nv; i < n; ++i) {
+    float v = static_cast<float>(x[i]);
+    if (v > top) { top = v; arg = i; }
+  }
+  return arg;
+}
+
+}  // namespace
+
+// Row-wise argmax of logits [R, V] (ties → lowest index, as torch.argmax).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "argmax_rows: [R, V] contiguous");
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  auto* o = out.data_ptr<int64_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* p = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * V, V); });
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows: bf16 or fp32");
+    const auto* p = x.data_ptr<float>();
+    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * V, V); });
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax, ties to the lowest index");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after residual += x (in place)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rope_and_cache", &rope_and_cache, "RoPE on Q and K, K/V written to their slots; returns Q");

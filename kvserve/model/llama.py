@@ -135,5 +135,5 @@ class LlamaForCausalLM(nn.Module):
         return residual.add_(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in fp32 for the selected positions only; the LM head is the largest matmul."""
-        return linear(self.norm(hidden), self.lm_head, ops=self.ops).float()
+        """Logits (model dtype) for the selected positions only; the LM head is the largest matmul."""
+        return linear(self.norm(hidden), self.lm_head, ops=self.ops)

@@ -34,9 +34,7 @@ class ServingContext:
         return self.engine.engine.max_model_len
 
     def engine_alive(self) -> bool:
-        # AsyncLLMEngine has no public liveness accessor yet; its thread and accept flag tell
-        thread = getattr(self.engine, "_thread", None)
-        return bool(getattr(self.engine, "_accepting", True)) and (thread is None or thread.is_alive())
+        return self.engine.is_running
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
