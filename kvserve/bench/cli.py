@@ -193,9 +193,12 @@ def _latency(args: argparse.Namespace) -> int:
     llm = _engine(args)
     check_fits(llm.engine, settings)
     device = str(llm.engine.config.torch_device)
-    print("measuring memory-read bandwidth and GEMM FLOP/s …", file=sys.stderr)
-    limits = measure_machine(device, int(args.read_mib * MIB), args.gemm_size, args.calibration_seconds)
-    results = run_latency(llm.engine, settings, limits)
+
+    def measure_limits():
+        print("measuring memory-read bandwidth and GEMM FLOP/s …", file=sys.stderr)
+        return measure_machine(device, int(args.read_mib * MIB), args.gemm_size, args.calibration_seconds)
+
+    results = run_latency(llm.engine, settings, measure_limits)
     report.print_latency(results)
     _write_outputs(args, "latency", results, plot.plot_latency, contention)
     return 0

@@ -27,8 +27,19 @@ MODES = ("generate", "generate_batch")
 
 
 def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process so far, in MiB.
+
+    Linux's VmHWM belongs to the current address space. ru_maxrss would not do for a
+    child: it carries the parent's peak across fork and exec, so every peer would report
+    at least the kvserve run's memory.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _config_for(arch):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from statistics import median
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -108,7 +108,8 @@ def measure_prefill(engine: LLMEngine, prompt_len: int, iters: int, rng: np.rand
     }
 
 
-def run_latency(engine: LLMEngine, settings: LatencySettings, limits: roofline.MachineLimits) -> dict[str, Any]:
+def run_latency(engine: LLMEngine, settings: LatencySettings, measure_limits: Callable[[], roofline.MachineLimits]) -> dict[str, Any]:
+    """`measure_limits` runs before and after the engine's measurements; the best of the two is the roofline."""
     check_fits(engine, settings)
     if engine.has_unfinished_requests():
         raise ConfigError("engine", "the latency benchmark needs an idle engine")
@@ -116,21 +117,24 @@ def run_latency(engine: LLMEngine, settings: LatencySettings, limits: roofline.M
     arch = engine.arch
     element_bytes = torch.empty((), dtype=engine.config.torch_dtype).element_size()
 
+    limits_before = measure_limits()
     decode = measure_decode(engine, settings, rng)
     mean_context = decode["context_len_start"] + (settings.decode_steps - 1) / 2
     bytes_per_step = roofline.decode_bytes_per_step(arch, element_bytes, element_bytes, mean_context)
     decode["bytes_per_step"] = bytes_per_step
-    decode["roofline_tok_per_s"] = limits.read_bytes_per_s / bytes_per_step
-    decode["fraction_of_roofline"] = decode["tok_per_s"] / decode["roofline_tok_per_s"]
 
-    prefill = []
-    for prompt_len in settings.prompt_lens:
-        row = measure_prefill(engine, prompt_len, settings.prefill_iters, rng)
+    prefill = [measure_prefill(engine, n, settings.prefill_iters, rng) for n in settings.prompt_lens]
+    limits_after = measure_limits()
+    limits = roofline.best_of(limits_before, limits_after)
+
+    decode["roofline_tok_per_s"] = limits.read_bytes_per_s / decode["bytes_per_step"]
+    decode["fraction_of_roofline"] = decode["tok_per_s"] / decode["roofline_tok_per_s"]
+    for row in prefill:
+        prompt_len = row["prompt_len"]
         flops = roofline.prefill_flops(arch, prompt_len)
         row["flops"] = flops
         row["roofline_tok_per_s"] = prompt_len * limits.gemm_flops_per_s / flops["total"]
         row["fraction_of_roofline"] = row["tok_per_s"] / row["roofline_tok_per_s"]
-        prefill.append(row)
 
     return {
         "settings": dataclasses.asdict(settings),
@@ -142,7 +146,7 @@ def run_latency(engine: LLMEngine, settings: LatencySettings, limits: roofline.M
             "device": str(engine.config.torch_device),
             "kv_bytes_per_position": arch.kv_bytes_per_position(element_bytes),
         },
-        "machine": limits.to_dict(),
+        "machine": {**limits.to_dict(), "before": limits_before.to_dict(), "after": limits_after.to_dict()},
         "decode": decode,
         "prefill": prefill,
         "notes": [] if engine.config.torch_dtype == torch.bfloat16 else [

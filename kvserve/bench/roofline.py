@@ -37,6 +37,16 @@ def measure_machine(device: str, read_bytes: int, gemm_size: int, seconds: float
     )
 
 
+def best_of(*measurements: MachineLimits) -> MachineLimits:
+    """The best of several measurements: on shared CPUs a burst of someone else's work
+    lowers one, and a roofline that is too low would flatter the engine."""
+    return dataclasses.replace(
+        measurements[0],
+        read_bytes_per_s=max(m.read_bytes_per_s for m in measurements),
+        gemm_flops_per_s=max(m.gemm_flops_per_s for m in measurements),
+    )
+
+
 def layer_params(arch: ModelArchitecture) -> int:
     """Parameters of the decoder layers: every one multiplies each token's activations."""
     d, h = arch.hidden_size, arch.head_dim

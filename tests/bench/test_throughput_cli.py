@@ -39,3 +39,17 @@ def test_compare_hf_runs_both_transformers_modes(tiny_llama, tmp_path, capsys):
 def test_unknown_hf_mode_is_one_line(capsys):
     assert main(["bench", "throughput", "--compare", "hf", "--hf-modes", "generate,beam"]) == 1
     assert "--hf-modes" in capsys.readouterr().err
+
+
+def test_peer_process_reports_its_own_peak_rss():
+    """ru_maxrss carries a parent's peak into a child across fork and exec; the peers' figure must not."""
+    import subprocess
+    import sys
+
+    from kvserve.bench.hf_peer import peak_rss_mib
+
+    ballast = bytearray(400 * 2**20)  # touched pages: this process's peak rises by 400 MiB
+    code = "from kvserve.bench.hf_peer import peak_rss_mib; print(peak_rss_mib())"
+    child_mib = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert peak_rss_mib() >= 400 and child_mib < peak_rss_mib() - 300
+    del ballast
