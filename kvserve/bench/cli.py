@@ -34,7 +34,8 @@ def register(subparsers) -> None:
     lat.add_argument("--decode-context-len", type=int, default=128, help="prompt length before decoding (default 128)")
     lat.add_argument("--decode-warmup-steps", type=int, default=8, help="untimed decode steps (default 8)")
     lat.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default 64)")
-    lat.add_argument("--read-mib", type=float, default=256, help="tensor summed to measure memory-read bandwidth, MiB (default 256)")
+    lat.add_argument("--read-mib", type=float, default=None,
+                     help="tensor summed to measure memory-read bandwidth, MiB (default: the bytes one decode step reads)")
     lat.add_argument("--gemm-size", type=int, default=2048, help="n of the n×n bf16 matmul measuring FLOP/s (default 2048)")
     lat.add_argument("--calibration-seconds", type=float, default=1.0, help="time per machine measurement (default 1)")
     lat.add_argument("--seed", type=int, default=0)
@@ -183,7 +184,7 @@ def _latency(args: argparse.Namespace) -> int:
     _at_least("--decode-context-len", args.decode_context_len, 1)
     _at_least("--decode-warmup-steps", args.decode_warmup_steps, 0)
     _at_least("--decode-steps", args.decode_steps, 1)
-    if not args.read_mib > 0:
+    if args.read_mib is not None and not args.read_mib > 0:
         raise ConfigError("--read-mib", f"must be > 0, got {args.read_mib}")
     _at_least("--gemm-size", args.gemm_size, 1)
     if not args.calibration_seconds > 0:
@@ -194,9 +195,10 @@ def _latency(args: argparse.Namespace) -> int:
     check_fits(llm.engine, settings)
     device = str(llm.engine.config.torch_device)
 
-    def measure_limits():
-        print("measuring memory-read bandwidth and GEMM FLOP/s …", file=sys.stderr)
-        return measure_machine(device, int(args.read_mib * MIB), args.gemm_size, args.calibration_seconds)
+    def measure_limits(decode_bytes_per_step: int):
+        read_bytes = int(args.read_mib * MIB) if args.read_mib else decode_bytes_per_step
+        print(f"measuring memory-read bandwidth ({read_bytes / 1e6:.0f} MB) and GEMM FLOP/s …", file=sys.stderr)
+        return measure_machine(device, read_bytes, args.gemm_size, args.calibration_seconds)
 
     results = run_latency(llm.engine, settings, measure_limits)
     report.print_latency(results)

@@ -53,6 +53,11 @@ def _special_ids(engine: LLMEngine) -> list[int]:
     return list(getattr(engine.tokenizer.hf, "all_special_ids", []) or [])
 
 
+def decode_context_start(settings: LatencySettings) -> int:
+    """Positions the first timed decode step attends to: the prompt, the warm-up tokens, its own."""
+    return settings.decode_context_len + settings.decode_warmup_steps + 1
+
+
 def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.Generator) -> dict[str, Any]:
     prompt = random_token_ids(settings.decode_context_len, engine.arch.vocab_size, rng, _special_ids(engine))
     max_tokens = 1 + settings.decode_warmup_steps + settings.decode_steps
@@ -74,7 +79,7 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
         engine.abort_request(request_id)
     elapsed_s = sum(step_times_s)
     return {
-        "context_len_start": settings.decode_context_len + 1 + settings.decode_warmup_steps,
+        "context_len_start": decode_context_start(settings),
         "steps": settings.decode_steps,
         "tokens": decoded,  # one per step at batch 1; checked by the caller
         "elapsed_s": elapsed_s,
@@ -108,8 +113,12 @@ def measure_prefill(engine: LLMEngine, prompt_len: int, iters: int, rng: np.rand
     }
 
 
-def run_latency(engine: LLMEngine, settings: LatencySettings, measure_limits: Callable[[], roofline.MachineLimits]) -> dict[str, Any]:
-    """`measure_limits` runs before and after the engine's measurements; the best of the two is the roofline."""
+def run_latency(
+    engine: LLMEngine, settings: LatencySettings, measure_limits: Callable[[int], roofline.MachineLimits]
+) -> dict[str, Any]:
+    """`measure_limits(decode_bytes_per_step)` runs before and after the engine's
+    measurements; the best of the two is the roofline. It is given the bytes one decode
+    step reads, so the bandwidth test can read as much: caches make a smaller test faster."""
     check_fits(engine, settings)
     if engine.has_unfinished_requests():
         raise ConfigError("engine", "the latency benchmark needs an idle engine")
@@ -117,14 +126,15 @@ def run_latency(engine: LLMEngine, settings: LatencySettings, measure_limits: Ca
     arch = engine.arch
     element_bytes = torch.empty((), dtype=engine.config.torch_dtype).element_size()
 
-    limits_before = measure_limits()
-    decode = measure_decode(engine, settings, rng)
-    mean_context = decode["context_len_start"] + (settings.decode_steps - 1) / 2
+    mean_context = decode_context_start(settings) + (settings.decode_steps - 1) / 2
     bytes_per_step = roofline.decode_bytes_per_step(arch, element_bytes, element_bytes, mean_context)
+
+    limits_before = measure_limits(int(bytes_per_step))
+    decode = measure_decode(engine, settings, rng)
     decode["bytes_per_step"] = bytes_per_step
 
     prefill = [measure_prefill(engine, n, settings.prefill_iters, rng) for n in settings.prompt_lens]
-    limits_after = measure_limits()
+    limits_after = measure_limits(int(bytes_per_step))
     limits = roofline.best_of(limits_before, limits_after)
 
     decode["roofline_tok_per_s"] = limits.read_bytes_per_s / decode["bytes_per_step"]

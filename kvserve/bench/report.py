@@ -11,7 +11,7 @@ from rich.table import Table
 def _console() -> Console:
     # rich assumes 80 columns when not writing to a terminal: too narrow for these tables in a log
     console = Console()
-    return console if console.is_terminal else Console(width=140)
+    return console if console.is_terminal else Console(width=180)
 
 
 def _f(value: float | None, digits: int = 1) -> str:
