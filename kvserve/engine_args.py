@@ -20,6 +20,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prompt prefixes"
     )
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    g.add_argument(
+        "--cpu-kernels", action=argparse.BooleanOptionalAction, default=True, help="kvserve's C++ CPU kernels where they build"
+    )
+    g.add_argument(
+        "--prepack-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU bf16: a oneDNN-packed copy of each projection for batched steps (doubles weight memory)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
@@ -37,6 +46,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.threads,
+        cpu_kernels=args.cpu_kernels,
+        prepack_weights=args.prepack_weights,
     )
     values.update(overrides)
     return EngineConfig(**values)

@@ -41,7 +41,7 @@ def test_prefill_and_each_decode_step_match_transformers(tiny_model_dirs, varian
 def test_qwen2_bias_is_used(tiny_model_dirs):
     """The Qwen2 variant's QKV biases are non-zero, so a match above means they are applied."""
     engine = _engine(tiny_model_dirs["qwen2-bias"])
-    assert engine.model.layers[0].self_attn.qkv_bias.abs().sum() > 0
+    assert engine.model.layers[0].self_attn.qkv.bias.abs().sum() > 0
 
 
 def test_gqa_shapes(tiny_model_dirs):

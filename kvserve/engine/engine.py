@@ -98,6 +98,7 @@ class LLMEngine:
         model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1, ops=ops)
         loaded.weights.clear()
         self.model = model.to(config.torch_device)
+        self.num_prepacked = self.model.prepack() if config.prepack_weights else 0
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.runner = ModelRunner(self.model, layout, config.torch_device)

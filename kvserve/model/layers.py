@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArchitecture
+from kvserve.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -84,34 +85,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-# Up to this many rows, a projection streams its weights once per row block (GEMV); the
-# CPU kernel does that near memory bandwidth where torch's bf16 path reaches a third of it.
-GEMV_MAX_ROWS = 8
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, ops=None) -> torch.Tensor:
-    """x @ weight.T (+ bias); small bf16 batches go to the GEMV kernel when it is loaded."""
-    if ops is not None and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-        y = ops.gemv_bf16(x, weight)
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
-
-
 class SiluMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ops=None):
         super().__init__()
         self.intermediate_size = gate.shape[0]
-        self.gate_up = nn.Parameter(torch.cat([gate, up], dim=0), requires_grad=False)
-        self.down = nn.Parameter(down, requires_grad=False)
+        self.gate_up = Linear(torch.cat([gate, up], dim=0), ops=ops)
+        self.down = Linear(down, ops=ops)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up, ops=self.ops)
+        gate_up = self.gate_up(x)
         if self.ops is not None and self.intermediate_size % 16 == 0 and gate_up.dtype in (torch.float32, torch.bfloat16):
             hidden = self.ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = F.silu(gate) * up
-        return linear(hidden, self.down, ops=self.ops)
+        return self.down(hidden)

@@ -14,7 +14,8 @@ from torch import nn
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.paged import paged_attention, write_kv
 from kvserve.model.arch import ModelArchitecture
-from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary, linear
+from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
+from kvserve.model.linear import Linear
 
 
 class RopeInputs:
@@ -38,8 +39,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str, ops=None):
         super().__init__()
         self.ops = ops
-        # the decode-attention kernel vectorises head_dim in 16s, up to 128; RoPE in 16-pairs
-        self.attention_ops = ops if arch.head_dim % 16 == 0 and arch.head_dim <= 128 else None
+        # the decode-attention kernel vectorises head_dim in 32s (bf16 pairs), up to 128; RoPE in 16-pairs
+        self.attention_ops = ops if arch.head_dim % 32 == 0 and arch.head_dim <= 128 else None
         self.rope_ops = ops if arch.head_dim % 32 == 0 else None
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -48,20 +49,16 @@ class LlamaAttention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
         # Q, K and V in one matmul: one pass over the activations instead of three
-        qkv = [w[f"{prefix}.{n}_proj.weight"] for n in "qkv"]
-        self.qkv = nn.Parameter(torch.cat(qkv, dim=0), requires_grad=False)
-        if arch.attention_bias:
-            bias = [w[f"{prefix}.{n}_proj.bias"] for n in "qkv"]
-            self.qkv_bias = nn.Parameter(torch.cat(bias, dim=0), requires_grad=False)
-        else:
-            self.qkv_bias = None
-        self.o = nn.Parameter(w[f"{prefix}.o_proj.weight"], requires_grad=False)
+        qkv = torch.cat([w[f"{prefix}.{n}_proj.weight"] for n in "qkv"], dim=0)
+        bias = torch.cat([w[f"{prefix}.{n}_proj.bias"] for n in "qkv"], dim=0) if arch.attention_bias else None
+        self.qkv = Linear(qkv, bias, ops)
+        self.o = Linear(w[f"{prefix}.o_proj.weight"], ops=ops)
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: "RopeInputs", meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = linear(x, self.qkv, self.qkv_bias, self.ops)
+        qkv = self.qkv(x)
         if self.rope_ops is not None and qkv.dtype in (torch.float32, torch.bfloat16):
             q = self.rope_ops.rope_and_cache(
                 qkv, rope.positions, rope.cos_half, rope.sin_half, self.k_pool, self.v_pool, meta.slot_mapping,
@@ -75,7 +72,7 @@ class LlamaAttention(nn.Module):
             v = v.view(tokens, self.num_kv_heads, self.head_dim)
             write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v)
         out = paged_attention(q, self.k_pool, self.v_pool, meta, self.scale, self.attention_ops)
-        return linear(out.reshape(tokens, self.q_size), self.o, ops=self.ops)
+        return self.o(out.reshape(tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,9 +109,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, weights, i, ops) for i in range(arch.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps, ops)
         if arch.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
+            self.lm_head = Linear(weights["model.embed_tokens.weight"], ops=ops)
+            self.lm_head.weight = self.embed_tokens  # one tensor, two uses
         else:
-            self.lm_head = nn.Parameter(weights["lm_head.weight"], requires_grad=False)
+            self.lm_head = Linear(weights["lm_head.weight"], ops=ops)
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
 
     @property
@@ -136,4 +134,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (model dtype) for the selected positions only; the LM head is the largest matmul."""
-        return linear(self.norm(hidden), self.lm_head, ops=self.ops)
+        return self.lm_head(self.norm(hidden))
+
+    def prepack(self) -> int:
+        """Pack every projection for oneDNN (CPU, bf16); returns how many were packed."""
+        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
