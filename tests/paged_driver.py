@@ -50,3 +50,19 @@ class PagedDriver:
 
     def free(self, req: Request) -> None:
         self.engine.kv_cache.free(req)
+
+
+def assert_follows_reference(engine: LLMEngine, reference, prompt: list[int], steps: int, atol: float, rtol: float) -> None:
+    """Our logits after the prefill and after each decode step equal the reference model's
+    (a full forward over the same tokens); the reference's greedy token is fed back."""
+    driver = PagedDriver(engine)
+    req = driver.new_request(prompt)
+    ours = driver.prefill(req)
+    tokens = list(prompt)
+    for _ in range(steps):
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(ours.cpu(), expected, atol=atol, rtol=rtol)
+        tokens.append(int(expected.argmax()))
+        ours = driver.decode(req, tokens[-1])
+    driver.free(req)

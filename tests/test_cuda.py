@@ -9,7 +9,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from tests.paged_driver import PagedDriver
+from tests.paged_driver import assert_follows_reference
 from tests.tiny_models import load_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -24,16 +24,7 @@ def test_cuda_logits_match_transformers(tiny_model_dirs, variant):
     assert engine.kv_cache is not None and engine.runner.kv_pool.is_cuda
     ref = load_reference(path)
     prompt = engine.tokenizer.encode("What is the capital of France? The capital")
-    driver = PagedDriver(engine)
-    req = driver.new_request(prompt)
-    ours = driver.prefill(req)
-    tokens = list(prompt)
-    for _ in range(4):
-        with torch.no_grad():
-            expected = ref(torch.tensor([tokens])).logits[0, -1]
-        torch.testing.assert_close(ours.cpu(), expected, atol=1e-3, rtol=1e-3)
-        tokens.append(int(expected.argmax()))
-        ours = driver.decode(req, tokens[-1])
+    assert_follows_reference(engine, ref, prompt, steps=4, atol=1e-3, rtol=1e-3)
 
 
 def test_cuda_generation_equals_cpu(tiny_llama):

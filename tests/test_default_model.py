@@ -9,7 +9,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.model.loader import default_model_path
-from tests.paged_driver import PagedDriver
+from tests.paged_driver import assert_follows_reference
 
 pytestmark = pytest.mark.default_model
 
@@ -37,20 +37,8 @@ def test_architecture(engine_fp32):
 
 
 def test_logits_match_transformers_prefill_and_decode(engine_fp32, reference):
-    tok = engine_fp32.tokenizer
-    prompt = tok.encode_chat([{"role": "user", "content": "Name three colours."}])
-    driver = PagedDriver(engine_fp32)
-    req = driver.new_request(prompt)
-    ours = driver.prefill(req)
-    tokens = list(prompt)
-    for _ in range(4):
-        with torch.no_grad():
-            expected = reference(torch.tensor([tokens])).logits[0, -1]
-        torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-3)
-        nxt = int(expected.argmax())
-        tokens.append(nxt)
-        ours = driver.decode(req, nxt)
-    driver.free(req)
+    prompt = engine_fp32.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
+    assert_follows_reference(engine_fp32, reference, prompt, steps=4, atol=2e-3, rtol=1e-3)
 
 
 def test_capital_of_france():

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from tests.conftest import TINY_VARIANTS
-from tests.paged_driver import PagedDriver
+from tests.paged_driver import assert_follows_reference
 from tests.tiny_models import load_reference
 
 ATOL = 2e-4
@@ -25,17 +24,7 @@ def test_prefill_and_each_decode_step_match_transformers(tiny_model_dirs, varian
     engine = _engine(path, cpu_kernels)
     ref = load_reference(path)
     prompt = engine.tokenizer.encode("What is the capital of France? The capital")
-    driver = PagedDriver(engine)
-    req = driver.new_request(prompt)
-    ours = driver.prefill(req)
-    tokens = list(prompt)
-    for _ in range(6):
-        with torch.no_grad():
-            expected = ref(torch.tensor([tokens])).logits[0, -1]
-        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-4)
-        nxt = int(expected.argmax())
-        tokens.append(nxt)
-        ours = driver.decode(req, nxt)
+    assert_follows_reference(engine, ref, prompt, steps=6, atol=ATOL, rtol=1e-4)
 
 
 def test_qwen2_bias_is_used(tiny_model_dirs):

@@ -376,6 +376,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
 }
 
 // ---- fused elementwise steps of a layer -----------------------------------------------------
+
+// Calls f with a value of the element type (float or at::BFloat16) of `type`.
+template <typename F>
+void dispatch_f32_bf16(at::ScalarType type, const char* name, F&& f) {
+  if (type == at::kFloat) {
+    f(float{});
+  } else if (type == at::kBFloat16) {
+    f(at::BFloat16{});
+  } else {
+    TORCH_CHECK(false, name, ": float32 or bfloat16 only, got ", type);
+  }
+}
 // Each replaces 5-10 small torch ops whose per-call overhead dominates at decode sizes.
 
 namespace {
@@ -414,9 +426,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::o
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "rms_norm: [T, D] contiguous, D % 16 == 0");
   const int64_t T_ = x.size(0), D = x.size(1);
   auto out = torch::empty_like(x);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T = float;
+  dispatch_f32_bf16(x.scalar_type(), "rms_norm", [&](auto tag) {
+      using T = decltype(tag);
       T* res = residual ? residual->data_ptr<T>() : nullptr;
       at::parallel_for(0, T_, 64, [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
@@ -425,18 +436,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::o
           rms_norm_row(src, weight.data_ptr<T>(), out.data_ptr<T>() + t * D, D, static_cast<float>(eps));
         }
       });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T = at::BFloat16;
-      T* res = residual ? residual->data_ptr<T>() : nullptr;
-      at::parallel_for(0, T_, 64, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          const T* src = x.data_ptr<T>() + t * D;
-          if (res) { add_rows(res + t * D, src, D); src = res + t * D; }
-          rms_norm_row(src, weight.data_ptr<T>(), out.data_ptr<T>() + t * D, D, static_cast<float>(eps));
-        }
-      });
-    }));
+  });
   return out;
 }
 
@@ -475,9 +475,8 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* cos = cos_table.data_ptr<float>();
   const float* sin = sin_table.data_ptr<float>();
-  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rope_and_cache",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T = float;
+  dispatch_f32_bf16(qkv.scalar_type(), "rope_and_cache", [&](auto tag) {
+      using T = decltype(tag);
       at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
           const T* row = qkv.data_ptr<T>() + t * width;
@@ -491,23 +490,7 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::
           }
         }
       });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T = at::BFloat16;
-      at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          const T* row = qkv.data_ptr<T>() + t * width;
-          const float* c = cos + pos[t] * half; const float* s_ = sin + pos[t] * half;
-          for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * head_dim, q.data_ptr<T>() + (t * num_heads + h) * head_dim, c, s_, head_dim);
-          T* kdst = k_pool.data_ptr<T>() + slots[t] * num_kv_heads * head_dim;
-          T* vdst = v_pool.data_ptr<T>() + slots[t] * num_kv_heads * head_dim;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            rope_row(row + (num_heads + h) * head_dim, kdst + h * head_dim, c, s_, head_dim);
-            copy_row(row + (num_heads + num_kv_heads + h) * head_dim, vdst + h * head_dim, head_dim);
-          }
-        }
-      });
-    }));
+  });
   return q;
 }
 
@@ -516,36 +499,22 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % 32 == 0, "silu_and_mul: [T, 2F] contiguous, F % 16 == 0");
   const int64_t T_ = gate_up.size(0), F_ = gate_up.size(1) / 2;
   auto out = torch::empty({T_, F_}, gate_up.options());
-  AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_and_mul",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T = float;
+  dispatch_f32_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
+      using T = decltype(tag);
       at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
           const T* g = gate_up.data_ptr<T>() + t * 2 * F_; T* o = out.data_ptr<T>() + t * F_;
           for (int64_t i = 0; i < F_; i += 16) {
             __m512 x = load16(g + i);
             __m512 sig = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            store16(o + i, _mm512_mul_ps(sig, load16(g + F_ + i)));
-          }
-        }
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T = at::BFloat16;
-      at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          const T* g = gate_up.data_ptr<T>() + t * 2 * F_; T* o = out.data_ptr<T>() + t * F_;
-          for (int64_t i = 0; i < F_; i += 16) {
-            __m512 x = load16(g + i);
-            __m512 sig = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            // the reference rounds silu(gate) to bf16 before the product
+            // the reference rounds silu(gate) to the model dtype before the product
             alignas(64) T tmp[16];
             store16(tmp, sig);
             store16(o + i, _mm512_mul_ps(load16(tmp), load16(g + F_ + i)));
           }
         }
       });
-    }));
+  });
   return out;
 }
 
