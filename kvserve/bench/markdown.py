@@ -30,7 +30,9 @@ def _provenance(data: dict[str, Any], path: str) -> list[str]:
         load = f"; CPUs {100 * before['cpu_busy_fraction']:.0f}% busy just before the run"
     during = m.get("during_run") or {}
     if during.get("others_cpu_fraction") is not None:
-        load += f", other processes took {100 * during['others_cpu_fraction']:.0f}% of the CPUs during it"
+        # against a local server, the server itself is one of the "other processes"
+        who = "the server and any other process" if data["benchmark"] == "serve" else "other processes"
+        load += f", {who} took {100 * during['others_cpu_fraction']:.0f}% of the CPUs during it"
     return [
         f"Command: `{data['command'] or '(run in-process; args in the JSON)'}`  ",
         f"Measured {data['measured_at']} at commit `{data['commit']}` on {where}{load}. Figures: `{path}`.",
@@ -82,10 +84,10 @@ def throughput_table(r: dict[str, Any]) -> list[str]:
 
 def serve_table(r: dict[str, Any]) -> list[str]:
     w = r["workload"]
-    slo = {k: v for k, v in r["slo_ms"].items() if v is not None}
+    slo = ", ".join(f"{k.removesuffix('_ms').upper()} ≤ {v:g} ms" for k, v in r["slo_ms"].items() if v is not None)
     lines = [
         f"{r['model']} at {r['url']}; {w['num_prompts']} requests per rate, {w['input_len']} in / {w['output_len']} out"
-        + (f"; goodput SLOs (ms): {slo}" if slo else "") + ".",
+        + (f"; goodput SLOs: {slo}" if slo else "") + ".",
         "",
         "| rate req/s | done | req/s | out tok/s | TTFT ms mean/p50/p90/p99 | TPOT ms mean/p50/p90/p99 | ITL ms p50/p99 | E2E ms p50/p99 | goodput req/s |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
