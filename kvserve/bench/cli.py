@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     thr.add_argument("--hf-modes", default="generate,generate_batch",
                      help="transformers modes for --compare hf: generate (static batches), generate_batch (continuous)")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="static batch of transformers generate (default: all requests)")
+    thr.add_argument("--shared-prefix-len", type=int, default=0,
+                     help="tokens of a common prefix (e.g. a system prompt) before each prompt (default 0: none)")
+    thr.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, given out round robin (default 1)")
     _add_outputs(thr, plot=True)
     add_engine_args(thr)
     thr.set_defaults(func=_command("throughput"))

@@ -147,16 +147,20 @@ def throughput(args: argparse.Namespace) -> int:
     if any(m not in MODES for m in modes) or not modes:
         raise ConfigError("--hf-modes", f"expected a comma-separated subset of {', '.join(MODES)}, got {args.hf_modes!r}")
     _at_least("--hf-batch-size", args.hf_batch_size, 1)
+    _at_least("--shared-prefix-len", args.shared_prefix_len, 0)
+    _at_least("--num-prefixes", args.num_prefixes, 1)
 
     contention = _before_run(args)
     llm = _engine(args)
     engine = llm.engine
-    longest = round(args.input_len * (1 + args.range_ratio)) + round(args.output_len * (1 + args.range_ratio))
+    longest = (args.shared_prefix_len + round(args.input_len * (1 + args.range_ratio))
+               + round(args.output_len * (1 + args.range_ratio)))
     if longest > engine.max_model_len:
         raise ConfigError("--input-len", f"prompt + output of up to {longest} tokens exceed max_model_len={engine.max_model_len}")
     special = list(getattr(engine.tokenizer.hf, "all_special_ids", []) or [])
     workload = build_workload(args.num_prompts, args.input_len, args.output_len, engine.arch.vocab_size,
-                              seed=args.seed, range_ratio=args.range_ratio, exclude_ids=special)
+                              seed=args.seed, range_ratio=args.range_ratio, exclude_ids=special,
+                              shared_prefix_len=args.shared_prefix_len, num_prefixes=args.num_prefixes)
     warmup = warmup_workload(workload, engine.arch.vocab_size, args.seed, special)
     print(f"kvserve: {workload.num_requests} requests …", file=sys.stderr)
     engines = [run_kvserve(llm, workload, warmup)]

@@ -60,6 +60,10 @@ def print_throughput(results: dict[str, Any], console: Console | None = None) ->
         table.add_row(r["engine"], _f(r["output_tok_per_s"]), _f(r["total_tok_per_s"]), _f(r["requests_per_s"], 2),
                       _f(r["elapsed_s"], 2), _f(r["peak_rss_mib"], 0), "" if ratio is None else f"{ratio:.2f}")
     console.print(table)
+    ours = results["engines"][0]
+    console.print(f"kvserve: {ours['steps']} steps, {ours['preemptions']} preemptions, "
+                  f"prefix-cache hit rate {100 * ours['prefix_cache_hit_rate']:.1f}%, "
+                  f"TTFT median {_f(ours['ttft_ms']['median'], 0)} ms, TPOT median {_f(ours['tpot_ms']['median'], 1)} ms")
     for r in results["engines"]:
         for key in ("error", "note", "warning"):
             if key in r:

@@ -53,6 +53,8 @@ def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
     llm.generate(warmup.prompts, _params(warmup.output_lens))
     steps_before = engine.counters.steps
     preemptions_before = engine.scheduler.num_preemptions
+    kv = engine.kv_cache
+    queries_before, hits_before = kv.prefix_queries, kv.prefix_hits
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, _params(workload.output_lens))
     elapsed_s = time.perf_counter() - start
@@ -65,6 +67,8 @@ def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
         "peak_rss_mib": peak_rss_mib(),
         "steps": engine.counters.steps - steps_before,
         "preemptions": engine.scheduler.num_preemptions - preemptions_before,
+        # tokens found in the prefix cache / tokens looked up, over this run only
+        "prefix_cache_hit_rate": (kv.prefix_hits - hits_before) / max(1, kv.prefix_queries - queries_before),
         "ttft_ms": summarize((t.ttft_s for t in timings), 1e3),
         "tpot_ms": summarize((t.tpot_s for t in timings), 1e3),
     }

@@ -70,9 +70,18 @@ def build_workload(
     seed: int = 0,
     range_ratio: float = 0.0,
     exclude_ids: Sequence[int] = (),
+    shared_prefix_len: int = 0,
+    num_prefixes: int = 1,
 ) -> Workload:
+    """`shared_prefix_len` > 0 puts one of `num_prefixes` common prefixes (a system prompt,
+    say) before each request's own `input_len` tokens, round robin, so the prefix cache
+    has something to find."""
     rng = np.random.default_rng(seed)
     in_lens = sample_lengths(num_requests, input_len, range_ratio, rng)
     out_lens = sample_lengths(num_requests, output_len, range_ratio, rng)
-    prompts = [random_token_ids(n, vocab_size, rng, exclude_ids) for n in in_lens]
+    prefixes = [random_token_ids(shared_prefix_len, vocab_size, rng, exclude_ids) for _ in range(num_prefixes)]
+    prompts = [
+        (prefixes[i % num_prefixes] if shared_prefix_len else []) + random_token_ids(n, vocab_size, rng, exclude_ids)
+        for i, n in enumerate(in_lens)
+    ]
     return Workload(prompts, out_lens)

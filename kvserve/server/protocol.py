@@ -58,6 +58,7 @@ class SamplingRequest(_Request):
 class CompletionRequest(SamplingRequest):
     # one prompt: text, token ids, or a batch of exactly one of those
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for the legacy completions API
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

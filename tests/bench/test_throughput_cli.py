@@ -53,3 +53,14 @@ def test_peer_process_reports_its_own_peak_rss():
     child_mib = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert peak_rss_mib() >= 400 and child_mib < peak_rss_mib() - 300
     del ballast
+
+
+def test_shared_prefix_reports_prefix_cache_hits(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "thr.json"
+    args = ["bench", "throughput", "--model", tiny_llama, *TINY, "--num-prompts", "8", "--shared-prefix-len", "64",
+            "--max-num-batched-tokens", "80", "--json", str(out)]
+    assert main(args) == 0
+    (ours,) = json.loads(out.read_text())["results"]["engines"]
+    # the first request of each step computes the prefix; the others find its blocks
+    assert ours["prefix_cache_hit_rate"] > 0.3
+    assert "prefix-cache hit rate" in capsys.readouterr().out

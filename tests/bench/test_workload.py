@@ -29,3 +29,11 @@ def test_seed_fixes_the_workload_and_round_trips():
     assert a == build_workload(3, 8, 4, vocab_size=1000, seed=5)
     assert a != build_workload(3, 8, 4, vocab_size=1000, seed=6)
     assert Workload.from_dict(a.to_dict()) == a
+
+
+def test_shared_prefixes_round_robin():
+    w = build_workload(6, input_len=5, output_len=3, vocab_size=1000, seed=0, shared_prefix_len=16, num_prefixes=2)
+    assert all(len(p) == 21 for p in w.prompts)
+    assert w.prompts[0][:16] == w.prompts[2][:16] == w.prompts[4][:16]
+    assert w.prompts[1][:16] == w.prompts[3][:16] != w.prompts[0][:16]
+    assert w.prompts[0][16:] != w.prompts[2][16:]  # each request's own part differs

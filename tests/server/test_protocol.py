@@ -76,3 +76,11 @@ def test_validation_error_param_leaves_out_union_members(body, param):
 
 def test_unknown_fields_are_ignored():
     assert _completion(some_future_field=1).prompt == "x"
+
+
+def test_completions_default_to_16_tokens_chat_to_the_room_left():
+    from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert CompletionRequest.model_validate({"prompt": "hi"}).max_tokens == 16
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.max_tokens is None and chat.max_completion_tokens is None
