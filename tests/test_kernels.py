@@ -90,3 +90,34 @@ def test_argmax_rows_matches_torch_with_ties(dtype):
     x[5, -1] = 60  # in the scalar tail (1000 = 62·16 + 8)
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
     assert int(ops.argmax_rows(x)[3]) == 17
+
+
+@pytest.fixture(scope="module")
+def qwen2_hd64(tmp_path_factory) -> str:
+    from tests.tiny_models import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("qwen2-hd64"), model_type="qwen2", num_heads=4, num_kv_heads=2, hidden_size=256))
+
+
+@pytest.mark.parametrize("variant", ["llama-hd64", "qwen2-hd64"])
+def test_fused_decode_layers_equal_the_layer_by_layer_path(tiny_model_dirs, qwen2_hd64, variant):
+    """ops.decode_layers runs the same kernels as the Python layers; the result is identical."""
+    path = qwen2_hd64 if variant == "qwen2-hd64" else tiny_model_dirs[variant]
+
+    def run(fused: bool):
+        engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_memory="4MiB"))
+        engine.model.fused_decode = fused
+        assert engine.model.can_fuse_decode() == fused
+        driver = PagedDriver(engine)
+        reqs = [driver.new_request(engine.tokenizer.encode(t)) for t in ("The quick brown fox", "hello world, once upon a time")]
+        for r in reqs:
+            driver.prefill(r)
+        out = []
+        for token in (5, 9, 11):
+            for r in reqs:
+                r.append_output_token(token)
+            step = driver.step([(r, 1) for r in reqs])
+            out.append(torch.stack([step[r.request_id] for r in reqs]))
+        return torch.stack(out)
+
+    assert torch.equal(run(True), run(False))

@@ -571,7 +571,42 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// ---- a whole decode step's layers in one call ------------------------------------------------
+
+// Every decoder layer for a batch of decode tokens (one new position per request, at most
+// 8 requests, bf16): the same kernels the Python layer calls, in the same order, without
+// returning to Python between them. At batch 1 the ~300 Python-level calls of a step cost
+// as much as a third of the weight-streaming time; this is the CPU's answer to what CUDA
+// graphs do for launch overhead. `layers` holds, per layer: input norm, QKV weight, QKV
+// bias (empty if none), O, post-attention norm, gate_up, down. Returns the residual
+// stream after the last layer (before the final norm).
+torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_pools,
+                            std::vector<torch::Tensor> v_pools, torch::Tensor positions, torch::Tensor cos_half,
+                            torch::Tensor sin_half, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                            torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            double eps, double scale) {
+  constexpr size_t kPerLayer = 7;
+  TORCH_CHECK(layers.size() == k_pools.size() * kPerLayer && k_pools.size() == v_pools.size(), "decode_layers: weights");
+  const int64_t B = h.size(0);
+  torch::Tensor residual;
+  for (size_t l = 0; l < k_pools.size(); ++l) {
+    const torch::Tensor* w = &layers[l * kPerLayer];
+    torch::Tensor x = residual.defined() ? rms_norm(h, w[0], eps, residual) : rms_norm(h, w[0], eps, c10::nullopt);
+    if (!residual.defined()) residual = h;
+    torch::Tensor qkv = gemv_bf16(x, w[1]);
+    if (w[2].numel()) qkv.add_(w[2]);
+    torch::Tensor q = rope_and_cache(qkv, positions, cos_half, sin_half, k_pools[l], v_pools[l], slot_mapping,
+                                     num_heads, num_kv_heads, head_dim);
+    torch::Tensor attn = paged_decode_attention(q, k_pools[l], v_pools[l], block_tables, context_lens, scale);
+    torch::Tensor o = gemv_bf16(attn.view({B, num_heads * head_dim}), w[3]);
+    x = rms_norm(o, w[4], eps, residual);
+    h = gemv_bf16(silu_and_mul(gemv_bf16(x, w[5])), w[6]);
+  }
+  return residual.add_(h);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layers", &decode_layers, "all decoder layers of a small decode batch, in C++");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, ties to the lowest index");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after residual += x (in place)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());

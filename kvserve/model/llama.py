@@ -15,7 +15,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.paged import paged_attention, write_kv
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
-from kvserve.model.linear import Linear
+from kvserve.model.linear import GEMV_MAX_ROWS, Linear
 
 
 class RopeInputs:
@@ -114,6 +114,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(weights["lm_head.weight"], ops=ops)
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
+        self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
+        self._fused_weights: list[torch.Tensor] | None = None
+        self._k_pools: list[torch.Tensor] = []
+        self._v_pools: list[torch.Tensor] = []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -123,9 +127,45 @@ class LlamaForCausalLM(nn.Module):
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             layer.self_attn.k_pool = k_pool
             layer.self_attn.v_pool = v_pool
+        self._k_pools, self._v_pools = list(k_pools), list(v_pools)
+
+    def can_fuse_decode(self) -> bool:
+        """Whether small decode batches can run all layers in one C++ call (ops.decode_layers)."""
+        arch = self.arch
+        return (
+            self.fused_decode
+            and self.ops is not None
+            and self.dtype == torch.bfloat16
+            and self.layers[0].self_attn.attention_ops is not None
+            and self.layers[0].self_attn.rope_ops is not None
+            and arch.hidden_size % 16 == 0
+            and arch.intermediate_size % 16 == 0
+        )
+
+    def _decode_weights(self) -> list[torch.Tensor]:
+        if self._fused_weights is None:
+            self._fused_weights = []
+            no_bias = torch.empty(0, dtype=self.dtype)
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                bias = no_bias if attn.qkv.bias is None else attn.qkv.bias
+                self._fused_weights += [
+                    layer.input_layernorm.weight, attn.qkv.weight, bias, attn.o.weight,
+                    layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down.weight,
+                ]  # fmt: skip
+        return self._fused_weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)
+        tokens = input_ids.shape[0]
+        if not meta.prefills and 0 < tokens <= GEMV_MAX_ROWS and self.can_fuse_decode():
+            arch = self.arch
+            return self.ops.decode_layers(
+                h, self._decode_weights(), self._k_pools, self._v_pools, positions,
+                self.rotary.cos_half, self.rotary.sin_half, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps,
+                arch.head_dim**-0.5,
+            )  # fmt: skip
         rope = RopeInputs(self.rotary, positions, h.dtype)
         residual = None
         for layer in self.layers:
