@@ -32,6 +32,7 @@ test: install
 
 bench: install
 	$(BIN)/kvserve bench latency $(ARGS)
+	$(BIN)/kvserve bench throughput --compare hf $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -79,6 +79,14 @@ def throughput_table(r: dict[str, Any]) -> list[str]:
             f"| {e['engine']} | {_n(e['output_tok_per_s'])} | {_n(e['total_tok_per_s'])} | {_n(e['requests_per_s'], 2)} | "
             f"{_n(e['elapsed_s'], 1)} | {_n(e['peak_rss_mib'], 0)} | {'' if ratio is None else f'{ratio:.2f}'} |"
         )
+    ours = r["engines"][0]
+    if "prefix_cache_hit_rate" in ours:
+        lines += [
+            "",
+            f"kvserve: {ours['steps']} steps, {ours['preemptions']} preemptions, prefix-cache hit rate "
+            f"{100 * ours['prefix_cache_hit_rate']:.1f}% (tokens found / tokens looked up), TTFT median "
+            f"{_n(ours['ttft_ms']['median'], 0)} ms, TPOT median {_n(ours['tpot_ms']['median'])} ms.",
+        ]
     return lines
 
 

@@ -9,7 +9,7 @@ import pytest
 from kvserve.bench.markdown import render
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = sorted((ROOT / "kvserve/bench/results").glob("*.json"))
+RESULTS = sorted((ROOT / "docs/benchmarks").glob("*.json"))
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
