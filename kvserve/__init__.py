@@ -16,7 +16,7 @@ _EXPORTS = {
     "CompletionOutput": "kvserve.outputs",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
