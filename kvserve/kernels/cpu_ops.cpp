@@ -285,22 +285,32 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
   const int64_t hv = head_dim / 16;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const T*> k_rows, v_rows;
+    std::vector<const T*> k_rows, v_rows, next_k_rows, next_v_rows;
     QueryFor<T> qh[kMaxG];
     __m512 dots[16];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t S = context_lens[b];
-      const int32_t* table = block_tables + b * max_blocks;
-      // slot addresses once, walking the block table (no division per position)
-      k_rows.resize(S);
-      v_rows.resize(S);
+    // slot addresses of a request's positions, walking its block table (no division per position)
+    auto slot_rows = [&](int64_t req, std::vector<const T*>& ks, std::vector<const T*>& vs) {
+      const int64_t S = context_lens[req];
+      const int32_t* table = block_tables + req * max_blocks;
+      ks.resize(S);
+      vs.resize(S);
       for (int64_t s = 0, blk = 0; s < S; ++blk) {
         const int64_t base = static_cast<int64_t>(table[blk]) * block_size * slot_stride;
         for (int64_t o = 0; o < block_size && s < S; ++o, ++s) {
-          k_rows[s] = k_pool + base + o * slot_stride;
-          v_rows[s] = v_pool + base + o * slot_stride;
+          ks[s] = k_pool + base + o * slot_stride;
+          vs[s] = v_pool + base + o * slot_stride;
         }
       }
+    };
+    if (begin < end) slot_rows(begin, next_k_rows, next_v_rows);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t S = context_lens[b];
+      std::swap(k_rows, next_k_rows);
+      std::swap(v_rows, next_v_rows);
+      // the next request's rows are fetched while this one computes (more misses in flight)
+      if (b + 1 < end) slot_rows(b + 1, next_k_rows, next_v_rows);
+      else next_k_rows.clear(), next_v_rows.clear();
+      const int64_t S_next = static_cast<int64_t>(next_k_rows.size());
       scores.resize(g * S);
       const int64_t s_vec = S / 16 * 16;
       // Blocks sit anywhere in the pool, so the hardware prefetcher restarts at each one;
@@ -310,10 +320,14 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
         for (int64_t byte = 0; byte < row_bytes; byte += 64)
           _mm_prefetch(reinterpret_cast<const char*>(r) + byte, _MM_HINT_T1);
       };
-      for (int64_t s = 0; s < std::min<int64_t>(S, kPrefetchAhead); ++s) {
-        prefetch_row(k_rows[s]);
-        prefetch_row(v_rows[s]);
-      }
+      if (b == begin)
+        for (int64_t s = 0; s < std::min<int64_t>(S, kPrefetchAhead); ++s) {
+          prefetch_row(k_rows[s]);
+          prefetch_row(v_rows[s]);
+        }
+      int64_t next_cursor = 0;  // next request's rows prefetched so far
+      const int64_t tiles = std::max<int64_t>(1, num_kv_heads * (s_vec / 16));
+      const int64_t next_per_tile = (S_next + tiles - 1) / tiles;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const int64_t off = kvh * head_dim;
         for (int64_t j = 0; j < g; ++j) qh[j].load(q + (b * num_heads + kvh * g + j) * head_dim, head_dim);
@@ -321,10 +335,15 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
         for (int64_t j = 0; j < g; ++j) {
           float* sc = scores.data() + j * S;
           for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
-            if (kvh == 0 && j == 0)
+            if (kvh == 0 && j == 0 && b == begin)
               for (int64_t s = s0 + kPrefetchAhead; s < std::min(S, s0 + kPrefetchAhead + 16); ++s) {
                 prefetch_row(k_rows[s]);
                 prefetch_row(v_rows[s]);
+              }
+            if (j == 0)  // spread the next request's rows over this request's tiles
+              for (int64_t n = 0; n < next_per_tile && next_cursor < S_next; ++n, ++next_cursor) {
+                prefetch_row(next_k_rows[next_cursor]);
+                prefetch_row(next_v_rows[next_cursor]);
               }
             for (int k = 0; k < 16; ++k) dots[slot16(k)] = qh[j].dot(k_rows[s0 + k] + off);
             _mm512_storeu_ps(sc + s0, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(scale)));
