@@ -61,6 +61,8 @@ class ModelRunner:
         # one allocation for all layers' K and V: [2, L, blocks, block_size, N_kv, H]
         self.kv_pool = torch.zeros((2, arch.num_layers, *shape), dtype=model.dtype, device=device)
         model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
+        # the decode-attention kernel walks block tables itself: no slot lists or masks needed
+        self.decode_reads_pool_in_place = model.layers[0].self_attn.attention_ops is not None
 
     def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepBatch:
         bs = self.layout.block_size
@@ -101,13 +103,12 @@ class ModelRunner:
             lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
             max_len = int(lens.max())
             max_blocks = -(-max_len // bs)
-            tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-            for row, s in enumerate(decodes):
-                t = block_tables[s.request.request_id][:max_blocks]
-                tables[row, : len(t)] = torch.tensor(t)
-            ctx = torch.arange(max_len)
-            decode_slots = (tables[:, ctx // bs] * bs + ctx % bs).to(self.device)
-            decode_mask = (ctx.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len).to(self.device)
+            padded = [block_tables[s.request.request_id][:max_blocks] for s in decodes]
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long)
+            if not self.decode_reads_pool_in_place:  # the reference path gathers slots, then masks
+                ctx = torch.arange(max_len)
+                decode_slots = (tables[:, ctx // bs] * bs + ctx % bs).to(self.device)
+                decode_mask = (ctx.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len).to(self.device)
             decode_lens = lens.to(torch.int32).to(self.device)
             decode_tables = tables.to(torch.int32).to(self.device)
 
