@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_bias
+from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.llama import LlamaForCausalLM
@@ -81,10 +81,11 @@ class ModelRunner:
             query_start = len(input_ids)
             input_ids.extend(req.all_token_ids[start : start + m])
             positions.extend(range(start, start + m))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + m))
-            if m > 1:
-                ctx = torch.arange(start + m)
-                slots = torch.tensor(table, dtype=torch.long)[ctx // bs] * bs + ctx % bs
+            if m == 1:
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                slots = context_slots(table, start + m, bs)
+                slot_mapping.extend(slots[start:].tolist())
                 prefills.append(
                     PrefillSegment(
                         query_start=query_start,

@@ -64,18 +64,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(arch, rope_freqs)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", emb.cos(), persistent=False)
-        self.register_buffer("sin_table", emb.sin(), persistent=False)
-        # [max_pos, H/2]: both halves of a row are equal; the fused kernel reads one
+        # [max_pos, H/2]: rotate-half uses the same angle for both halves of a row, so one
+        # half is stored; the fused kernel reads it as is, `lookup` widens the rows it needs
         self.register_buffer("cos_half", freqs.cos().contiguous(), persistent=False)
         self.register_buffer("sin_half", freqs.sin().contiguous(), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for these positions, [T, 1, H]; computed once per step, shared by all layers."""
-        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        cos = self.cos_half.index_select(0, positions).to(dtype)
+        sin = self.sin_half.index_select(0, positions).to(dtype)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
