@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.paged import decode_attention
@@ -92,6 +93,43 @@ def test_argmax_rows_matches_torch_with_ties(dtype):
     assert int(ops.argmax_rows(x)[3]) == 17
 
 
+needs_amx = pytest.mark.skipif(not ops.amx_available(), reason="this CPU has no AMX-BF16")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows, n, k", [(9, 16, 32), (17, 48, 96), (64, 960, 576), (100, 576, 1536), (300, 64, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_matches_torch(rows, n, k, with_bias):
+    """Rows that are not a multiple of the 16-row tile, several 64-row groups, bias: all
+    within bf16 rounding of the fp32 product."""
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    y = ops.amx_linear(x, ops.amx_pack_weight(w), b)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=1e-2, rtol=8e-3)  # bf16 output: 2^-8 relative
+
+
+@needs_amx
+def test_amx_pack_weight_rejects_shapes_off_the_tile_grid():
+    with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
+        ops.amx_pack_weight(torch.zeros(24, 32, dtype=torch.bfloat16))
+
+
+@needs_amx
+def test_linear_uses_amx_between_the_gemv_and_prefill_sizes():
+    from kvserve.model.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, Linear
+
+    w = torch.randn(64, 96).bfloat16()
+    lin = Linear(w, ops=ops)
+    assert lin.prepack() and lin.amx_packed is not None and lin.packed is None
+    for rows in (1, GEMV_MAX_ROWS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        x = torch.randn(rows, 96).bfloat16()
+        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=8e-3)
+
+
 @pytest.fixture(scope="module")
 def qwen2_hd64(tmp_path_factory) -> str:
     from tests.tiny_models import make_tiny_model
@@ -107,9 +145,11 @@ def test_fused_decode_layers_equal_the_layer_by_layer_path(tiny_model_dirs, qwen
     def run(fused: bool):
         engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_memory="4MiB"))
         engine.model.fused_decode = fused
-        assert engine.model.can_fuse_decode() == fused
+        assert (engine.model.fused_decode_rows() > 0) == fused
         driver = PagedDriver(engine)
-        reqs = [driver.new_request(engine.tokenizer.encode(t)) for t in ("The quick brown fox", "hello world, once upon a time")]
+        # 11 requests: more than the GEMV's 8 rows, so the fused path's AMX projections run where AMX exists
+        texts = [f"{t} {i}" for i in range(11) for t in ("The quick brown fox", "hello world, once upon a time")][:11]
+        reqs = [driver.new_request(engine.tokenizer.encode(t)) for t in texts]
         for r in reqs:
             driver.prefill(r)
         out = []

@@ -105,3 +105,16 @@ def test_default_model_has_all_its_end_tokens():
     loaded = load_model(None)
     assert 2 in loaded.tokenizer.eos_token_ids  # <|im_end|>
     assert loaded.tokenizer.convert_ids_to_tokens([2]) == ["<|im_end|>"]
+
+
+def test_tokenizer_fast_decode_equals_the_transformers_decode(llm):
+    """The detokenizer's direct call into the Rust tokenizer gives transformers' text exactly."""
+    import random
+
+    tok = llm.tokenizer
+    assert tok._fast_decode is not None  # the tiny models' tokenizers are fast ones
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 9))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)

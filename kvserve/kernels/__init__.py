@@ -17,7 +17,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "amx_linear.cpp")]
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
@@ -54,7 +54,7 @@ def cpu_ops():
 
     from kvserve.model.weight_cache import cache_root
 
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
     name = f"kvserve_cpu_ops_{digest}"
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -63,8 +63,8 @@ def cpu_ops():
     try:
         return load(
             name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -6,12 +6,14 @@
 //                     one new query per request attending to its S0 + 1 cached positions,
 //                     read in place from the block pool through the block table (no gather
 //                     copy), g query heads of a KV head sharing each K/V row read.
-// The plain-torch path in kvserve/attention/paged.py stays the reference they are tested
-// against; kvserve/kernels/__init__.py falls back to it where these cannot be built.
+// Batched projections on AMX tiles live in amx_linear.cpp. The plain-torch path stays the
+// reference these are tested against; kvserve/kernels/__init__.py falls back to it where
+// they cannot be built.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -227,16 +229,27 @@ inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, co
   __m512 lo[kMaxG][4], hi[kMaxG][4];
   for (int64_t j = 0; j < g; ++j)
     for (int64_t c = 0; c < chunks; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
+  // the probabilities rounded to bf16 once, 16 at a time (rounding each pair in scalar code
+  // cost as much as the whole V pass); a pair (p[s], p[s+1]) is then one 32-bit broadcast
+  thread_local std::vector<uint16_t> pbf;
+  const int64_t S_pad = (S + 15) / 16 * 16;
+  pbf.resize(g * S_pad);
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+      const __mmask16 live = S - s0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (S - s0)) - 1);
+      const __m512 p = _mm512_maskz_loadu_ps(live, scores + j * S + s0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf.data() + j * S_pad + s0), (__m256i)_mm512_cvtneps_pbh(p));
+    }
   int64_t s = 0;
   for (; s + 1 < S; s += 2) {
     const at::BFloat16* v0 = v_rows[s] + off;
     const at::BFloat16* v1 = v_rows[s + 1] + off;
     __m512bh pair[kMaxG];
     for (int64_t j = 0; j < g; ++j) {
-      // (p[s], p[s+1]) as a bf16 pair in every 32-bit lane, p[s] in the low half like V[s]
-      const uint32_t both = static_cast<uint32_t>(at::BFloat16(scores[j * S + s]).x) |
-                            (static_cast<uint32_t>(at::BFloat16(scores[j * S + s + 1]).x) << 16);
-      pair[j] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(both));
+      // (p[s], p[s+1]) in every 32-bit lane, p[s] in the low half like V[s]
+      int32_t both;
+      std::memcpy(&both, pbf.data() + j * S_pad + s, sizeof(both));
+      pair[j] = (__m512bh)_mm512_set1_epi32(both);
     }
     for (int64_t c = 0; c < chunks; ++c) {
       const __m512i a = _mm512_loadu_si512(v0 + c * 32);
@@ -592,39 +605,67 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 // ---- a whole decode step's layers in one call ------------------------------------------------
 
-// Every decoder layer for a batch of decode tokens (one new position per request, at most
-// 8 requests, bf16): the same kernels the Python layer calls, in the same order, without
-// returning to Python between them. At batch 1 the ~300 Python-level calls of a step cost
-// as much as a third of the weight-streaming time; this is the CPU's answer to what CUDA
-// graphs do for launch overhead. `layers` holds, per layer: input norm, QKV weight, QKV
-// bias (empty if none), O, post-attention norm, gate_up, down. Returns the residual
-// stream after the last layer (before the final norm).
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+
+namespace {
+
+// x · wᵀ (+ bias, if not empty) for a decode batch, as kvserve.model.linear.Linear computes
+// it: the GEMV kernel up to 8 rows (bias added to the bf16 result), the AMX kernel on the
+// packed copy beyond (bias added in fp32). `packed` is empty only when batches stay <= 8.
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                      const torch::Tensor& bias = torch::Tensor()) {
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  if (x.size(0) <= 8) {
+    torch::Tensor y = gemv_bf16(x, w);
+    return has_bias ? y.add_(bias) : y;
+  }
+  return amx_linear(x, packed, has_bias ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+}
+
+}  // namespace
+
+// Every decoder layer for a batch of decode tokens (one new position per request, bf16):
+// the same kernels the Python layer calls, in the same order, without returning to Python
+// between them. At batch 1 the ~300 Python-level calls of a step cost as much as a third
+// of the weight-streaming time; at batch 64 they are still ~5% of the step. This is the
+// CPU's answer to what CUDA graphs do for launch overhead. `layers` holds, per layer:
+// input norm, QKV weight, QKV bias (empty if none), O, post-attention norm, gate_up, down,
+// then the AMX-packed QKV, O, gate_up and down (empty when only batches of <= 8 come).
+// Returns the residual stream after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_pools,
                             std::vector<torch::Tensor> v_pools, torch::Tensor positions, torch::Tensor cos_half,
                             torch::Tensor sin_half, torch::Tensor slot_mapping, torch::Tensor block_tables,
                             torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             double eps, double scale) {
-  constexpr size_t kPerLayer = 7;
+  constexpr size_t kPerLayer = 11;
   TORCH_CHECK(layers.size() == k_pools.size() * kPerLayer && k_pools.size() == v_pools.size(), "decode_layers: weights");
   const int64_t B = h.size(0);
+  TORCH_CHECK(B <= 8 || layers[7].numel() > 0, "decode_layers: more than 8 rows need the AMX-packed weights");
   torch::Tensor residual;
   for (size_t l = 0; l < k_pools.size(); ++l) {
     const torch::Tensor* w = &layers[l * kPerLayer];
     torch::Tensor x = residual.defined() ? rms_norm(h, w[0], eps, residual) : rms_norm(h, w[0], eps, c10::nullopt);
     if (!residual.defined()) residual = h;
-    torch::Tensor qkv = gemv_bf16(x, w[1]);
-    if (w[2].numel()) qkv.add_(w[2]);
+    torch::Tensor qkv = project(x, w[1], w[7], w[2]);
     torch::Tensor q = rope_and_cache(qkv, positions, cos_half, sin_half, k_pools[l], v_pools[l], slot_mapping,
                                      num_heads, num_kv_heads, head_dim);
     torch::Tensor attn = paged_decode_attention(q, k_pools[l], v_pools[l], block_tables, context_lens, scale);
-    torch::Tensor o = gemv_bf16(attn.view({B, num_heads * head_dim}), w[3]);
+    torch::Tensor o = project(attn.view({B, num_heads * head_dim}), w[3], w[8]);
     x = rms_norm(o, w[4], eps, residual);
-    h = gemv_bf16(silu_and_mul(gemv_bf16(x, w[5])), w[6]);
+    h = project(silu_and_mul(project(x, w[5], w[9])), w[6], w[10]);
   }
   return residual.add_(h);
 }
 
+// amx_linear.cpp
+bool amx_available();
+torch::Tensor amx_pack_weight(torch::Tensor w);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
+  m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
+  m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) on AMX tiles", py::arg("x"), py::arg("packed"),
+        py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers, "all decoder layers of a small decode batch, in C++");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, ties to the lowest index");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after residual += x (in place)",

@@ -1,10 +1,16 @@
 """A projection y = x·Wᵀ (+ b) that picks the fastest path for the rows it gets.
 
-On the CPU in bf16: up to GEMV_MAX_ROWS rows go to kvserve's GEMV kernel (decode of a
-few requests streams the weights once, near memory bandwidth); more rows go to oneDNN
-with the weight pre-packed once into its AMX/AVX512 blocked layout (packing on every call
-otherwise costs as much as the multiply at decode batch sizes). Elsewhere: F.linear.
-The pre-packed copy doubles the memory of the weights it packs; `--no-prepack-weights` skips it.
+On the CPU in bf16, with kvserve's kernels:
+- up to GEMV_MAX_ROWS rows (decode of a few requests) go to the GEMV kernel, which
+  streams the weights once near memory bandwidth;
+- up to AMX_MAX_ROWS rows (batched decode, mixed steps) go to the AMX kernel, on a copy of
+  the weight packed once into AMX tiles (`kernels/amx_linear.cpp`): at these sizes oneDNN
+  waits on memory far more than it computes;
+- more rows (prefill chunks) go to F.linear, where oneDNN's own blocking is the faster
+  choice and re-packing the weight per call is paid for by the size of the product.
+Without AMX, the weight is pre-packed once for oneDNN instead (packing on every call
+otherwise costs as much as the multiply at decode batch sizes). Either packed copy doubles
+the memory of the weights it packs; `--no-prepack-weights` skips it. Elsewhere: F.linear.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 GEMV_MAX_ROWS = 8
+# measured (30 layers of SmolLM2's shapes, hot cache): the AMX kernel is ahead of oneDNN
+# up to ~512 rows, level at 512, and ~1.5x behind at 2048
+AMX_MAX_ROWS = 512
 # oneDNN picks its blocking from a row-count hint; any row count works with the result
 _PACK_HINT_ROWS = 2048
 
@@ -24,11 +33,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.ops = ops
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # oneDNN's layout
+        self.amx_packed: torch.Tensor | None = None  # AMX tiles
 
     def prepack(self) -> bool:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16:
+            return False
+        n, k = w.shape
+        if self.ops is not None and self.ops.amx_available() and n % 16 == 0 and k % 32 == 0:
+            self.amx_packed = self.ops.amx_pack_weight(w.detach())
+            return True
+        if not torch.backends.mkldnn.is_available():
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT_ROWS)
@@ -38,9 +54,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
-            if self.ops is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            rows = x.shape[0]
+            if self.ops is not None and 0 < rows <= GEMV_MAX_ROWS:
                 y = self.ops.gemv_bf16(x, self.weight)
                 return y if self.bias is None else y + self.bias
+            if self.amx_packed is not None and rows <= AMX_MAX_ROWS:
+                return self.ops.amx_linear(x, self.amx_packed, self.bias)
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -15,7 +15,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.paged import paged_attention, write_kv
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
-from kvserve.model.linear import GEMV_MAX_ROWS, Linear
+from kvserve.model.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, Linear
 
 
 class RopeInputs:
@@ -116,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
         self._fused_weights: list[torch.Tensor] | None = None
+        self._fused_rows: int | None = None
         self._k_pools: list[torch.Tensor] = []
         self._v_pools: list[torch.Tensor] = []
 
@@ -129,10 +130,17 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.v_pool = v_pool
         self._k_pools, self._v_pools = list(k_pools), list(v_pools)
 
-    def can_fuse_decode(self) -> bool:
-        """Whether small decode batches can run all layers in one C++ call (ops.decode_layers)."""
+    def fused_decode_rows(self) -> int:
+        """The largest decode batch that runs all layers in one C++ call (ops.decode_layers); 0 if none."""
+        if not self.fused_decode:
+            return 0
+        if self._fused_rows is None:  # walking the modules costs ~1 ms: once, after prepack
+            self._fused_rows = self._find_fused_decode_rows()
+        return self._fused_rows
+
+    def _find_fused_decode_rows(self) -> int:
         arch = self.arch
-        return (
+        if not (
             self.fused_decode
             and self.ops is not None
             and self.dtype == torch.bfloat16
@@ -140,25 +148,29 @@ class LlamaForCausalLM(nn.Module):
             and self.layers[0].self_attn.rope_ops is not None
             and arch.hidden_size % 16 == 0
             and arch.intermediate_size % 16 == 0
-        )
+        ):
+            return 0
+        projections = [m for m in self.layers.modules() if isinstance(m, Linear)]
+        return AMX_MAX_ROWS if all(p.amx_packed is not None for p in projections) else GEMV_MAX_ROWS
 
     def _decode_weights(self) -> list[torch.Tensor]:
         if self._fused_weights is None:
             self._fused_weights = []
-            no_bias = torch.empty(0, dtype=self.dtype)
+            empty = torch.empty(0, dtype=self.dtype)
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                bias = no_bias if attn.qkv.bias is None else attn.qkv.bias
+                projections = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
                 self._fused_weights += [
-                    layer.input_layernorm.weight, attn.qkv.weight, bias, attn.o.weight,
-                    layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down.weight,
+                    layer.input_layernorm.weight, attn.qkv.weight, empty if attn.qkv.bias is None else attn.qkv.bias,
+                    attn.o.weight, layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down.weight,
+                    *(empty if p.amx_packed is None else p.amx_packed for p in projections),
                 ]  # fmt: skip
         return self._fused_weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)
         tokens = input_ids.shape[0]
-        if not meta.prefills and 0 < tokens <= GEMV_MAX_ROWS and self.can_fuse_decode():
+        if not meta.prefills and 0 < tokens <= self.fused_decode_rows():
             arch = self.arch
             return self.ops.decode_layers(
                 h, self._decode_weights(), self._k_pools, self._v_pools, positions,
@@ -177,5 +189,6 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def prepack(self) -> int:
-        """Pack every projection for oneDNN (CPU, bf16); returns how many were packed."""
+        """Pack every projection for AMX or oneDNN (CPU, bf16); returns how many were packed."""
+        self._fused_weights, self._fused_rows = None, None
         return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))

@@ -15,11 +15,20 @@ class Tokenizer:
             ids.append(hf_tokenizer.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(ids)
         self.vocab_size = len(hf_tokenizer)
+        # Incremental detokenization decodes two short windows per request per step; the
+        # transformers wrapper around the Rust tokenizer costs ~3x the decode itself
+        # (~2 ms of a 64-request step). Call the Rust tokenizer directly where the wrapper
+        # would add nothing: a fast tokenizer with no space clean-up.
+        backend = getattr(hf_tokenizer, "_tokenizer", None)
+        plain = not getattr(hf_tokenizer, "clean_up_tokenization_spaces", True)
+        self._fast_decode = backend.decode if plain and hasattr(backend, "decode") else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
