@@ -48,6 +48,8 @@ def register(subparsers) -> None:
     thr.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on the same workload")
     thr.add_argument("--hf-modes", default="generate,generate_batch",
                      help="transformers modes for --compare hf: generate (static batches), generate_batch (continuous)")
+    thr.add_argument("--rounds", type=int, default=1,
+                     help="run the engines in turn this many times; each keeps its fastest round (default 1)")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="static batch of transformers generate (default: all requests)")
     thr.add_argument("--shared-prefix-len", type=int, default=0,
                      help="tokens of a common prefix (e.g. a system prompt) before each prompt (default 0: none)")

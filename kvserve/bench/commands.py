@@ -139,7 +139,7 @@ def throughput(args: argparse.Namespace) -> int:
 
     from kvserve.bench import plot, report
     from kvserve.bench.hf_peer import MODES
-    from kvserve.bench.throughput import ratios, run_hf_peer, run_kvserve, warmup_workload
+    from kvserve.bench.throughput import best_of_rounds, ratios, run_hf_peer, run_kvserve, warmup_workload
     from kvserve.bench.workload import build_workload
 
     _check_workload(args)
@@ -149,6 +149,7 @@ def throughput(args: argparse.Namespace) -> int:
     _at_least("--hf-batch-size", args.hf_batch_size, 1)
     _at_least("--shared-prefix-len", args.shared_prefix_len, 0)
     _at_least("--num-prefixes", args.num_prefixes, 1)
+    _at_least("--rounds", args.rounds, 1)
 
     contention = _before_run(args)
     llm = _engine(args)
@@ -162,25 +163,30 @@ def throughput(args: argparse.Namespace) -> int:
                               seed=args.seed, range_ratio=args.range_ratio, exclude_ids=special,
                               shared_prefix_len=args.shared_prefix_len, num_prefixes=args.num_prefixes)
     warmup = warmup_workload(workload, engine.arch.vocab_size, args.seed, special)
-    print(f"kvserve: {workload.num_requests} requests …", file=sys.stderr)
-    engines = [run_kvserve(llm, workload, warmup)]
-
-    if args.compare == "hf":
-        spec = {
-            "model": args.model,
-            "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(),
-            "batch_size": args.hf_batch_size or workload.num_requests,
-            "max_batch_tokens": engine.config.max_num_batched_tokens,
-            "workload": workload.to_dict(),
-            "warmup": warmup.to_dict(),
-        }
-        for mode in modes:
-            print(f"transformers {mode}: {workload.num_requests} requests (own process) …", file=sys.stderr)
-            engines.append(run_hf_peer(mode, spec, workload))
+    spec = {
+        "model": args.model,
+        "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "batch_size": args.hf_batch_size or workload.num_requests,
+        "max_batch_tokens": engine.config.max_num_batched_tokens,
+        "workload": workload.to_dict(),
+        "warmup": warmup.to_dict(),
+    }
+    rounds = []
+    for i in range(args.rounds):
+        label = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
+        print(f"kvserve: {workload.num_requests} requests{label} …", file=sys.stderr)
+        runs = [run_kvserve(llm, workload, warmup)]
+        for mode in modes if args.compare == "hf" else []:
+            print(f"transformers {mode}: {workload.num_requests} requests (own process){label} …", file=sys.stderr)
+            runs.append(run_hf_peer(mode, spec, workload))
+        rounds.append(runs)
+    engines = best_of_rounds(rounds)
 
     results = {"model": engine.model_name, "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
                "workload": workload.describe(), "engines": engines, "ratios": ratios(engines)}
+    if args.rounds > 1:
+        results["round_ratios"] = [ratios(runs) for runs in rounds]
     report.print_throughput(results)
     _write_outputs(args, "throughput", results, plot.plot_throughput, contention)
     return 0

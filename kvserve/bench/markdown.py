@@ -87,6 +87,15 @@ def throughput_table(r: dict[str, Any]) -> list[str]:
             f"{100 * ours['prefix_cache_hit_rate']:.1f}% (tokens found / tokens looked up), TTFT median "
             f"{_n(ours['ttft_ms']['median'], 0)} ms, TPOT median {_n(ours['tpot_ms']['median'])} ms.",
         ]
+    rounds = r.get("round_ratios", [])
+    if rounds:
+        lines += ["", f"The engines ran in turn, {len(rounds)} rounds; each row above is that engine's fastest round."]
+        for peer in r["ratios"]:
+            per_round = [f"{x[peer]:.2f}" for x in rounds if peer in x]
+            elapsed = [_n(s, 1) for s in next(e for e in r["engines"] if e["engine"] == peer).get("elapsed_s_rounds", [])]
+            lines.append(f"- kvserve × {peer}, round by round: {', '.join(per_round)} ({peer} elapsed s: {', '.join(elapsed)})")
+        ours_elapsed = [_n(s, 1) for s in ours.get("elapsed_s_rounds", [])]
+        lines.append(f"- kvserve elapsed s, round by round: {', '.join(ours_elapsed)}")
     return lines
 
 

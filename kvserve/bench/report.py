@@ -64,6 +64,10 @@ def print_throughput(results: dict[str, Any], console: Console | None = None) ->
     console.print(f"kvserve: {ours['steps']} steps, {ours['preemptions']} preemptions, "
                   f"prefix-cache hit rate {100 * ours['prefix_cache_hit_rate']:.1f}%, "
                   f"TTFT median {_f(ours['ttft_ms']['median'], 0)} ms, TPOT median {_f(ours['tpot_ms']['median'], 1)} ms")
+    for peer in results.get("ratios", {}):
+        per_round = [f"{r[peer]:.2f}" for r in results.get("round_ratios", []) if peer in r]
+        if per_round:
+            console.print(f"kvserve × {peer}, round by round: {', '.join(per_round)}")
     for r in results["engines"]:
         for key in ("error", "note", "warning"):
             if key in r:

@@ -36,6 +36,27 @@ def test_compare_hf_runs_both_transformers_modes(tiny_llama, tmp_path, capsys):
     assert "kvserve ×" in out and "transformers generate_batch" in out
 
 
+def test_rounds_take_turns_and_keep_each_engines_fastest(tiny_llama, tmp_path, capsys):
+    from kvserve.bench.markdown import throughput_table
+
+    out = tmp_path / "thr.json"
+    assert main(["bench", "throughput", "--model", tiny_llama, *TINY, "--compare", "hf", "--hf-modes", "generate",
+                 "--rounds", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]
+    ours, peer = r["engines"]
+    for e in (ours, peer):
+        assert len(e["elapsed_s_rounds"]) == 2 and e["elapsed_s"] == min(e["elapsed_s_rounds"])
+    assert [set(x) for x in r["round_ratios"]] == [{"transformers generate"}] * 2
+    assert r["ratios"]["transformers generate"] == ours["output_tok_per_s"] / peer["output_tok_per_s"]
+    assert "round by round" in capsys.readouterr().out
+    assert any("round by round" in line for line in throughput_table(r))
+
+
+def test_rounds_must_be_positive(capsys):
+    assert main(["bench", "throughput", "--rounds", "0"]) == 1
+    assert "--rounds" in capsys.readouterr().err
+
+
 def test_unknown_hf_mode_is_one_line(capsys):
     assert main(["bench", "throughput", "--compare", "hf", "--hf-modes", "generate,beam"]) == 1
     assert "--hf-modes" in capsys.readouterr().err
