@@ -97,10 +97,14 @@ needs_amx = pytest.mark.skipif(not ops.amx_available(), reason="this CPU has no 
 
 
 @needs_amx
-@pytest.mark.parametrize("rows, n, k", [(9, 16, 32), (17, 48, 96), (64, 960, 576), (100, 576, 1536), (300, 64, 64)])
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [(9, 16, 32), (17, 48, 96), (64, 960, 576), (100, 576, 1536), (129, 48, 96), (300, 80, 64), (600, 64, 64)],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_matches_torch(rows, n, k, with_bias):
-    """Rows that are not a multiple of the 16-row tile, several 64-row groups, bias: all
+    """Rows that are not a multiple of the 16-row tile, several 64-row groups, both loops
+    (up to 128 rows; panels of 256 with column blocks in pairs, an odd one left), bias: all
     within bf16 rounding of the fp32 product."""
     g = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, k, generator=g).bfloat16()

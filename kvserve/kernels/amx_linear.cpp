@@ -26,6 +26,8 @@ constexpr int kTileRows = 16;    // rows of x per A tile, K pairs per B tile
 constexpr int kTileK = 32;       // bf16 input features per tile
 constexpr int kTileN = 16;       // output columns per column block
 constexpr int kGroupTiles = 4;   // A tiles (64 rows of x) per pass over a weight tile
+constexpr int64_t kSmallTiles = 8;   // up to 128 rows of x: the decode-shaped loop
+constexpr int64_t kPanelTiles = 16;  // 256 rows of x per panel in the larger-x loop
 // Column blocks whose weights are prefetched (into L2) while one computes. Measured in the
 // 64-request decode step: no prefetch ~10% slower; 1, 2 or 4 blocks, to L1 or L2, within noise.
 constexpr int kPrefetchBlocks = 2;
@@ -38,10 +40,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: the four C accumulators (16 rows × 16 fp32); 4: A (16 rows × 32 bf16); 5: B.
+// Tiles 0-3: the four C accumulators (16 rows × 16 fp32); 4, 5: A (16 rows × 32 bf16) or,
+// in column_block, A and B; 6, 7: B in column_pair.
 void configure_tiles() {
   TileConfig cfg;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kTileRows;
     cfg.colsb[t] = 64;
   }
@@ -90,6 +93,33 @@ void column_block(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloa
   if constexpr (Tiles > 1) _tile_stored(1, acc[1], 64);
   if constexpr (Tiles > 2) _tile_stored(2, acc[2], 64);
   if constexpr (Tiles > 3) _tile_stored(3, acc[3], 64);
+}
+
+// 32 rows of x against two column blocks, all of K: a 2×2 grid of C tiles, so each tile
+// loaded feeds two products (column_block's 4×1 grid reloads A for every product, which
+// is fine while the weights are the bottleneck but not when x is large and they are hot).
+void column_pair(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* w0, const at::BFloat16* w1,
+                 int64_t KB, float (*acc)[kTileRows * kTileN]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t tile_step = kTileRows * x_stride_bytes / 2;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const at::BFloat16* a = x + kb * kTileK;
+    _tile_loadd(4, a, x_stride_bytes);
+    _tile_loadd(6, w0 + kb * kTileRows * kTileK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, w1 + kb * kTileRows * kTileK, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + tile_step, x_stride_bytes);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc[0], 64);
+  _tile_stored(1, acc[1], 64);
+  _tile_stored(2, acc[2], 64);
+  _tile_stored(3, acc[3], 64);
 }
 
 }  // namespace
@@ -143,30 +173,66 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const at::BFloat16* bp = bias ? bias->contiguous().data_ptr<at::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t x_stride = K * 2, block_elems = KB * kTileRows * kTileK, m_tiles = Mp / kTileRows;
-  at::parallel_for(0, NB, 1, [&](int64_t nb_begin, int64_t nb_end) {
+  // one C tile (16 rows of x × one column block) out to y: + bias in fp32, rounded to bf16
+  auto store_tile = [&](const float* acc, int64_t m_tile, int64_t nb) {
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t m = m_tile * kTileRows + r;
+      if (m >= M) break;
+      store_row(acc + r * kTileN, bp ? bp + nb * kTileN : nullptr, yp + m * N + nb * kTileN);
+    }
+  };
+  // up to 4 A tiles against one column block, as one column_block call
+  auto group = [&](int64_t t0, int64_t t_end, int64_t nb, const char* pf, float (*acc)[kTileRows * kTileN]) {
+    const int tiles = static_cast<int>(std::min<int64_t>(kGroupTiles, t_end - t0));
+    const at::BFloat16* xa = xp + t0 * kTileRows * K;
+    const at::BFloat16* wblock = wp + nb * block_elems;
+    switch (tiles) {
+      case 1: column_block<1>(xa, x_stride, wblock, pf, KB, acc); break;
+      case 2: column_block<2>(xa, x_stride, wblock, pf, KB, acc); break;
+      case 3: column_block<3>(xa, x_stride, wblock, pf, KB, acc); break;
+      default: column_block<4>(xa, x_stride, wblock, pf, KB, acc); break;
+    }
+    for (int t = 0; t < tiles; ++t) store_tile(acc[t], t0 + t, nb);
+  };
+  if (m_tiles <= kSmallTiles) {
+    // decode-sized x: each weight tile is read once, from memory, for all rows of x
+    at::parallel_for(0, NB, 1, [&](int64_t nb_begin, int64_t nb_end) {
+      configure_tiles();
+      alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
+      for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+        const char* pf = nb + kPrefetchBlocks < nb_end
+                             ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems) : nullptr;
+        for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles)
+          group(t0, m_tiles, nb, t0 == 0 ? pf : nullptr, acc);  // weights are fetched on the first pass only
+      }
+      _tile_release();
+    });
+    return y;
+  }
+  // larger x: panels of kPanelTiles A tiles stay in L2 while this thread's column blocks
+  // pass over them in pairs, 32 rows at a time (column_pair's 2×2 grid of C tiles)
+  at::parallel_for(0, NB, 2, [&](int64_t nb_begin, int64_t nb_end) {
     configure_tiles();
     alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
-    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-      const at::BFloat16* wblock = wp + nb * block_elems;
-      const char* pf = nb + kPrefetchBlocks < nb_end
-                           ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems) : nullptr;
-      for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles) {
-        const int tiles = static_cast<int>(std::min<int64_t>(kGroupTiles, m_tiles - t0));
-        const at::BFloat16* xa = xp + t0 * kTileRows * K;
-        const char* pf_here = t0 == 0 ? pf : nullptr;  // weights are fetched on the first pass only
-        switch (tiles) {
-          case 1: column_block<1>(xa, x_stride, wblock, pf_here, KB, acc); break;
-          case 2: column_block<2>(xa, x_stride, wblock, pf_here, KB, acc); break;
-          case 3: column_block<3>(xa, x_stride, wblock, pf_here, KB, acc); break;
-          default: column_block<4>(xa, x_stride, wblock, pf_here, KB, acc); break;
+    for (int64_t p0 = 0; p0 < m_tiles; p0 += kPanelTiles) {
+      const int64_t p1 = std::min(m_tiles, p0 + kPanelTiles);
+      int64_t nb = nb_begin;
+      for (; nb + 1 < nb_end; nb += 2) {
+        int64_t t = p0;
+        for (; t + 1 < p1; t += 2) {
+          column_pair(xp + t * kTileRows * K, x_stride, wp + nb * block_elems, wp + (nb + 1) * block_elems, KB, acc);
+          store_tile(acc[0], t, nb);
+          store_tile(acc[1], t, nb + 1);
+          store_tile(acc[2], t + 1, nb);
+          store_tile(acc[3], t + 1, nb + 1);
         }
-        for (int t = 0; t < tiles; ++t)
-          for (int r = 0; r < kTileRows; ++r) {
-            const int64_t m = (t0 + t) * kTileRows + r;
-            if (m >= M) break;
-            store_row(acc[t] + r * kTileN, bp ? bp + nb * kTileN : nullptr, yp + m * N + nb * kTileN);
-          }
+        if (t < p1) {  // an odd last A tile of the panel
+          group(t, p1, nb, nullptr, acc);
+          group(t, p1, nb + 1, nullptr, acc);
+        }
       }
+      if (nb < nb_end)  // an odd last column block of this thread's range
+        for (int64_t t0 = p0; t0 < p1; t0 += kGroupTiles) group(t0, p1, nb, nullptr, acc);
     }
     _tile_release();
   });
