@@ -121,6 +121,24 @@ def test_shared_prefix_uses_the_same_physical_blocks(tiny_llama):
     assert engine.kv_cache.num_free_blocks() == engine.kv_cache.num_blocks
 
 
+def test_reset_prefix_cache_only_when_idle(tiny_llama):
+    llm = _llm(tiny_llama)
+    engine = llm.engine
+    prompt = llm.tokenizer.encode(SHARED + SHARED)[:25]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], params)
+    engine.add_request("busy", prompt, params)
+    engine.step()
+    assert engine.kv_cache.block_ids("busy")
+    assert engine.reset_prefix_cache() is False  # a request holds blocks: nothing is forgotten
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache.pool.num_cached_blocks > 0
+    assert engine.reset_prefix_cache() is True
+    assert engine.kv_cache.pool.num_cached_blocks == 0
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 0
+
+
 def test_n_samples_share_prompt_blocks(tiny_llama):
     llm = _llm(tiny_llama)
     engine = llm.engine

@@ -50,6 +50,8 @@ def _params(output_lens: list[int]) -> list[SamplingParams]:
 
 def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
     engine = llm.engine
+    # a later round must not find the earlier round's prompts in the prefix cache
+    engine.reset_prefix_cache()
     llm.generate(warmup.prompts, _params(warmup.output_lens))
     steps_before = engine.counters.steps
     preemptions_before = engine.scheduler.num_preemptions

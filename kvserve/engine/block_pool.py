@@ -81,3 +81,13 @@ class BlockPool:
             return  # another request computed the same block first; this copy stays private
         block.block_hash = block_hash
         self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (as vLLM's `reset_prefix_cache`); only possible when no
+        block is in use. Benchmarks call it between rounds of the same prompts."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        return True

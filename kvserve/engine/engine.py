@@ -197,6 +197,10 @@ class LLMEngine:
                 self.counters.finished["abort"] += 1
         return self._emit(parent)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (and nothing done) while requests hold blocks."""
+        return self.kv_cache.pool.reset_prefix_cache()
+
     # ---- one step ------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:

@@ -44,6 +44,7 @@ def test_rounds_take_turns_and_keep_each_engines_fastest(tiny_llama, tmp_path, c
                  "--rounds", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())["results"]
     ours, peer = r["engines"]
+    assert ours["prefix_cache_hit_rate"] == 0  # round 2 did not find round 1's prompts cached
     for e in (ours, peer):
         assert len(e["elapsed_s_rounds"]) == 2 and e["elapsed_s"] == min(e["elapsed_s_rounds"])
     assert [set(x) for x in r["round_ratios"]] == [{"transformers generate"}] * 2
