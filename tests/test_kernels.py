@@ -52,16 +52,35 @@ def _decode_case(dtype, batch, num_heads, num_kv_heads, head_dim, lens, block_si
     return q, k, v, meta
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "dtype, tol, amx",
+    [(torch.float32, 1e-5, False), (torch.bfloat16, 1e-2, False), (torch.bfloat16, 1e-2, True)],
+    ids=["fp32", "bf16-avx512", "bf16-amx-scores"],
+)
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, lens",
-    [(9, 3, 64, [1, 17, 200, 33]), (4, 4, 32, [5, 16, 48]), (8, 2, 128, [100]), (6, 2, 32, [31, 64, 65, 2]), (16, 1, 64, [40])],
+    [
+        (9, 3, 64, [1, 17, 200, 33]),  # SmolLM2's shape; partial and whole blocks
+        (4, 4, 32, [5, 16, 48]),  # g = 1, one chunk
+        (2, 2, 64, [70, 3]),  # g = 1, two chunks
+        (8, 2, 128, [100]),
+        (6, 2, 32, [31, 64, 65, 2]),
+        (16, 1, 64, [40]),
+        (14, 2, 64, [90, 7]),  # g = 7: V-pass head groups of 4 + 3
+        (5, 1, 96, [33, 64]),  # three chunks, g = 5: groups of 2, 2, 1
+    ],
 )
-def test_decode_attention_matches_reference(dtype, tol, num_heads, num_kv_heads, head_dim, lens):
+def test_decode_attention_matches_reference(dtype, tol, amx, num_heads, num_kv_heads, head_dim, lens):
+    if amx and not ops.amx_available():
+        pytest.skip("this CPU has no AMX-BF16")
     q, k, v, meta = _decode_case(dtype, len(lens), num_heads, num_kv_heads, head_dim, lens)
     scale = head_dim**-0.5
     expected = decode_attention(q.float(), k.float(), v.float(), meta, scale)
-    got = ops.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, scale)
+    ops.set_amx_attention(amx)
+    try:
+        got = ops.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, scale)
+    finally:
+        ops.set_amx_attention(True)
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 

@@ -17,6 +17,13 @@
 #include <type_traits>
 #include <vector>
 
+bool amx_available();  // amx_linear.cpp
+
+// Tests switch the AMX scores off to check both decode-attention paths on one machine.
+static bool amx_attention_enabled = true;
+void set_amx_attention(bool enabled) { amx_attention_enabled = enabled; }
+
+
 namespace {
 
 inline __m512 load16(const at::BFloat16* p) {
@@ -219,16 +226,58 @@ inline void accumulate_values(const float* const* v_rows, int64_t off, const flo
   }
 }
 
+// The pair loop for up to G query heads and C chunks of 32 features, with G and C known at
+// compile time so the 2·G·C accumulators stay in registers (with a runtime head count
+// they lived on the stack, and this loop ran at ~70 cycles per pair of positions).
+template <int G, int C>
+void accumulate_pairs(const at::BFloat16* const* v_rows, int64_t off, const uint16_t* pbf, int64_t S_pad,
+                      int64_t pairs_end, int64_t gcount, __m512 (*acc)[8]) {
+  __m512 lo[G][C], hi[G][C];
+#pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < pairs_end; s += 2) {
+    const at::BFloat16* v0 = v_rows[s] + off;
+    const at::BFloat16* v1 = v_rows[s + 1] + off;
+    __m512bh pair[G];
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      // (p[s], p[s+1]) in every 32-bit lane, p[s] in the low half like V[s]
+      int32_t both = 0;
+      if (j < gcount) std::memcpy(&both, pbf + j * S_pad + s, sizeof(both));
+      pair[j] = (__m512bh)_mm512_set1_epi32(both);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+      const __m512i b = _mm512_loadu_si512(v1 + c * 32);
+      // within each 128-bit lane: (a0 b0 a1 b1 a2 b2 a3 b3) and (a4 b4 … a7 b7)
+      const __m512bh il = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh ih = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        lo[j][c] = _mm512_dpbf16_ps(lo[j][c], il, pair[j]);
+        hi[j][c] = _mm512_dpbf16_ps(hi[j][c], ih, pair[j]);
+      }
+    }
+  }
+  // lo lane (4k + i) holds dim 8k + i, hi lane (4k + i) holds dim 8k + 4 + i (k = 128-bit lane)
+  const __m512i to_lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int j = 0; j < G && j < gcount; ++j)
+    for (int c = 0; c < C; ++c) {
+      acc[j][2 * c] = _mm512_add_ps(acc[j][2 * c], _mm512_permutex2var_ps(lo[j][c], to_lo, hi[j][c]));
+      acc[j][2 * c + 1] = _mm512_add_ps(acc[j][2 * c + 1], _mm512_permutex2var_ps(lo[j][c], to_hi, hi[j][c]));
+    }
+}
+
 // bf16: two positions per step with dpbf16 (P in bf16, as FlashAttention feeds its PV
 // product): the V rows of positions s and s+1 are interleaved so each fp32 lane d
-// accumulates p[s]·V[s][d] + p[s+1]·V[s+1][d] in one instruction. acc lanes are then in
-// the interleaved order; `deinterleave` restores them.
+// accumulates p[s]·V[s][d] + p[s+1]·V[s+1][d] in one instruction.
 inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, const float* scores, int64_t S,
                               int64_t g, int64_t hv, __m512 (*acc)[8]) {
   const int64_t chunks = hv / 2;  // 32 bf16 per chunk
-  __m512 lo[kMaxG][4], hi[kMaxG][4];
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t c = 0; c < chunks; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
   // the probabilities rounded to bf16 once, 16 at a time (rounding each pair in scalar code
   // cost as much as the whole V pass); a pair (p[s], p[s+1]) is then one 32-bit broadcast
   thread_local std::vector<uint16_t> pbf;
@@ -240,57 +289,133 @@ inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, co
       const __m512 p = _mm512_maskz_loadu_ps(live, scores + j * S + s0);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf.data() + j * S_pad + s0), (__m256i)_mm512_cvtneps_pbh(p));
     }
-  int64_t s = 0;
-  for (; s + 1 < S; s += 2) {
-    const at::BFloat16* v0 = v_rows[s] + off;
-    const at::BFloat16* v1 = v_rows[s + 1] + off;
-    __m512bh pair[kMaxG];
-    for (int64_t j = 0; j < g; ++j) {
-      // (p[s], p[s+1]) in every 32-bit lane, p[s] in the low half like V[s]
-      int32_t both;
-      std::memcpy(&both, pbf.data() + j * S_pad + s, sizeof(both));
-      pair[j] = (__m512bh)_mm512_set1_epi32(both);
-    }
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512i a = _mm512_loadu_si512(v0 + c * 32);
-      const __m512i b = _mm512_loadu_si512(v1 + c * 32);
-      // within each 128-bit lane: (a0 b0 a1 b1 a2 b2 a3 b3) and (a4 b4 … a7 b7)
-      const __m512bh il = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      const __m512bh ih = (__m512bh)_mm512_unpackhi_epi16(a, b);
-      for (int64_t j = 0; j < g; ++j) {
-        lo[j][c] = _mm512_dpbf16_ps(lo[j][c], il, pair[j]);
-        hi[j][c] = _mm512_dpbf16_ps(hi[j][c], ih, pair[j]);
-      }
-    }
-  }
-  // lo lane (4k + i) holds dim 8k + i, hi lane (4k + i) holds dim 8k + 4 + i (k = 128-bit lane)
-  for (int64_t j = 0; j < g; ++j) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      alignas(64) float l[16], h[16], d[32];
-      _mm512_store_ps(l, lo[j][c]);
-      _mm512_store_ps(h, hi[j][c]);
-      for (int k = 0; k < 4; ++k)
-        for (int i = 0; i < 4; ++i) {
-          d[8 * k + i] = l[4 * k + i];
-          d[8 * k + 4 + i] = h[4 * k + i];
-        }
-      acc[j][2 * c] = _mm512_add_ps(acc[j][2 * c], _mm512_loadu_ps(d));
-      acc[j][2 * c + 1] = _mm512_add_ps(acc[j][2 * c + 1], _mm512_loadu_ps(d + 16));
+  const int64_t pairs_end = S / 2 * 2;
+  // Heads in groups small enough for the accumulators to fit the 32 vector registers, of a
+  // size that divides g where one does: a group's unused heads still cost their dpbf16s,
+  // and VDPBF16PS issues only every other cycle here (half the MAC rate of fp32 FMAs).
+  const int64_t most = chunks == 1 ? 8 : chunks == 2 ? 4 : 2;
+  int64_t group = std::min(most, g);
+  for (int64_t size = group; size >= 2; --size)
+    if (g % size == 0) { group = size; break; }
+  for (int64_t j0 = 0; j0 < g; j0 += group) {
+    const int64_t n = std::min(group, g - j0);
+    const uint16_t* p = pbf.data() + j0 * S_pad;
+    __m512 (*a)[8] = acc + j0;
+    switch (chunks * 16 + group) {
+      case 16 + 8: accumulate_pairs<8, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 16 + 7: accumulate_pairs<7, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 16 + 6: accumulate_pairs<6, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 16 + 5: accumulate_pairs<5, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 16 + 4: accumulate_pairs<4, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 16 + 3: accumulate_pairs<3, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 16 + 2: accumulate_pairs<2, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 16 + 1: accumulate_pairs<1, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 32 + 1: accumulate_pairs<1, 2>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 48 + 1: accumulate_pairs<1, 3>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 64 + 1: accumulate_pairs<1, 4>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 32 + 4: accumulate_pairs<4, 2>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 32 + 3: accumulate_pairs<3, 2>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 32 + 2: accumulate_pairs<2, 2>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 48 + 2: accumulate_pairs<2, 3>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      case 64 + 2: accumulate_pairs<2, 4>(v_rows, off, p, S_pad, pairs_end, n, a); break;
+      default: TORCH_CHECK(false, "accumulate_values: no kernel for ", chunks, " chunks in groups of ", group);
     }
   }
-  for (; s < S; ++s) {  // an odd last position, in fp32
-    const at::BFloat16* vrow = v_rows[s] + off;
+  if (pairs_end < S) {  // an odd last position, in fp32
+    const at::BFloat16* vrow = v_rows[pairs_end] + off;
     for (int64_t d = 0; d < hv; ++d) {
       const __m512 v = load16(vrow + d * 16);
-      for (int64_t j = 0; j < g; ++j) acc[j][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * S + s]), v, acc[j][d]);
+      for (int64_t j = 0; j < g; ++j)
+        acc[j][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * S + pairs_end]), v, acc[j][d]);
     }
+  }
+}
+
+// ---- QKᵀ on AMX tiles (bf16, block_size a multiple of 16) ----
+//
+// One block of 16 positions is an A tile as it lies in the pool (16 rows of one KV head's
+// 32-feature chunk, 2·slot_stride bytes apart); the g query heads of that KV head, packed
+// once per request as B tiles (VNNI pairs, g of 16 columns used), stay in tile registers.
+// C[position][head] comes out with no horizontal sums: the AVX512 path spends ~45 shuffles
+// and adds per 16 positions per head reducing dot products across lanes, and re-reads
+// each K row once per head. Tiles: 0 = C, 1 = A, 2..5 = B (head_dim up to 128).
+struct alignas(64) AttnTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void attention_tiles_configure() {
+  AttnTileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// B tiles for the g query heads of one KV head: qb[c][kp][n][i] = q[n][32c + 2kp + i].
+inline void pack_query_tiles(const at::BFloat16* q, int64_t g, int64_t head_dim, uint16_t* qb) {
+  const int64_t chunks = head_dim / 32;
+  std::memset(qb, 0, chunks * 1024);
+  const auto* src = reinterpret_cast<const uint16_t*>(q);
+  for (int64_t n = 0; n < g; ++n)
+    for (int64_t d = 0; d < head_dim; ++d) qb[(d / 32) * 512 + ((d % 32) / 2) * 32 + n * 2 + (d % 2)] = src[n * head_dim + d];
+}
+
+template <int Chunks>
+inline void load_query_tiles(const uint16_t* qb) {
+  _tile_loadd(2, qb, 64);
+  if constexpr (Chunks > 1) _tile_loadd(3, qb + 512, 64);
+  if constexpr (Chunks > 2) _tile_loadd(4, qb + 1024, 64);
+  if constexpr (Chunks > 3) _tile_loadd(5, qb + 1536, 64);
+}
+
+// scores of 16 positions (rows of k, 2·row_elems bytes apart) against the loaded heads
+template <int Chunks>
+inline void block_scores(const at::BFloat16* k, int64_t row_bytes, float* c_out) {
+  _tile_zero(0);
+  _tile_loadd(1, k, row_bytes);
+  _tile_dpbf16ps(0, 1, 2);
+  if constexpr (Chunks > 1) {
+    _tile_loadd(1, k + 32, row_bytes);
+    _tile_dpbf16ps(0, 1, 3);
+  }
+  if constexpr (Chunks > 2) {
+    _tile_loadd(1, k + 64, row_bytes);
+    _tile_dpbf16ps(0, 1, 4);
+  }
+  if constexpr (Chunks > 3) {
+    _tile_loadd(1, k + 96, row_bytes);
+    _tile_dpbf16ps(0, 1, 5);
+  }
+  _tile_stored(0, c_out, 64);
+}
+
+// sc[j * S + s] = scale · q_j · k_s for the S positions of one request and one KV head
+template <int Chunks>
+void amx_scores(const at::BFloat16* const* k_rows, int64_t off, int64_t S, int64_t g, int64_t row_bytes,
+                const uint16_t* qb, float scale, float* sc) {
+  load_query_tiles<Chunks>(qb);
+  alignas(64) float c[16 * 16];
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    block_scores<Chunks>(k_rows[s0] + off, row_bytes, c);
+    const int64_t live = std::min<int64_t>(16, S - s0);  // a last block's unwritten slots are never read back
+    const __mmask16 mask = live == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    for (int64_t j = 0; j < g; ++j)
+      _mm512_mask_storeu_ps(sc + j * S + s0, mask, _mm512_mul_ps(_mm512_i32gather_ps(column, c + j, 4), scale_v));
   }
 }
 
 template <typename T>
 void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const int32_t* block_tables,
                            const int32_t* context_lens, T* out, int64_t B, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+                           int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, bool use_amx) {
   const int64_t g = num_heads / num_kv_heads;
   TORCH_CHECK(g <= kMaxG, "at most 16 query heads per KV head");
   TORCH_CHECK((std::is_same_v<T, float>) || head_dim % 32 == 0, "bf16 decode attention: head_dim % 32 == 0");
@@ -301,6 +426,8 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
     std::vector<const T*> k_rows, v_rows, next_k_rows, next_v_rows;
     QueryFor<T> qh[kMaxG];
     __m512 dots[16];
+    alignas(64) uint16_t qb[4 * 512];  // the query heads' B tiles (AMX path)
+    if (use_amx) attention_tiles_configure();
     // slot addresses of a request's positions, walking its block table (no division per position)
     auto slot_rows = [&](int64_t req, std::vector<const T*>& ks, std::vector<const T*>& vs) {
       const int64_t S = context_lens[req];
@@ -343,26 +470,51 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
       const int64_t next_per_tile = (S_next + tiles - 1) / tiles;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const int64_t off = kvh * head_dim;
-        for (int64_t j = 0; j < g; ++j) qh[j].load(q + (b * num_heads + kvh * g + j) * head_dim, head_dim);
-        // pass 1: scores; 16 positions at a time so their dot products reduce together
-        for (int64_t j = 0; j < g; ++j) {
-          float* sc = scores.data() + j * S;
-          for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
-            if (kvh == 0 && j == 0 && b == begin)
-              for (int64_t s = s0 + kPrefetchAhead; s < std::min(S, s0 + kPrefetchAhead + 16); ++s) {
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (use_amx) {
+            if (b == begin && kvh == 0)  // the thread's first request had no predecessor to fetch it
+              for (int64_t s = kPrefetchAhead; s < S; ++s) {
                 prefetch_row(k_rows[s]);
                 prefetch_row(v_rows[s]);
               }
-            if (j == 0)  // spread the next request's rows over this request's tiles
-              for (int64_t n = 0; n < next_per_tile && next_cursor < S_next; ++n, ++next_cursor) {
-                prefetch_row(next_k_rows[next_cursor]);
-                prefetch_row(next_v_rows[next_cursor]);
-              }
-            for (int k = 0; k < 16; ++k) dots[slot16(k)] = qh[j].dot(k_rows[s0 + k] + off);
-            _mm512_storeu_ps(sc + s0, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(scale)));
+            // the next request's rows are prefetched here as in the AVX512 loop below
+            for (; next_cursor < std::min(S_next, (kvh + 1) * S_next / num_kv_heads); ++next_cursor) {
+              prefetch_row(next_k_rows[next_cursor]);
+              prefetch_row(next_v_rows[next_cursor]);
+            }
+            pack_query_tiles(q + (b * num_heads + kvh * g) * head_dim, g, head_dim, qb);
+            const int64_t row_bytes = slot_stride * 2;
+            switch (head_dim / 32) {
+              case 1: amx_scores<1>(k_rows.data(), off, S, g, row_bytes, qb, scale, scores.data()); break;
+              case 2: amx_scores<2>(k_rows.data(), off, S, g, row_bytes, qb, scale, scores.data()); break;
+              case 3: amx_scores<3>(k_rows.data(), off, S, g, row_bytes, qb, scale, scores.data()); break;
+              default: amx_scores<4>(k_rows.data(), off, S, g, row_bytes, qb, scale, scores.data()); break;
+            }
+            for (int64_t j = 0; j < g; ++j) softmax_inplace(scores.data() + j * S, S);
           }
-          for (int64_t s = s_vec; s < S; ++s) sc[s] = _mm512_reduce_add_ps(qh[j].dot(k_rows[s] + off)) * scale;
-          softmax_inplace(sc, S);
+        }
+        if (!use_amx) {
+          for (int64_t j = 0; j < g; ++j) qh[j].load(q + (b * num_heads + kvh * g + j) * head_dim, head_dim);
+          // pass 1: scores; 16 positions at a time so their dot products reduce together
+          for (int64_t j = 0; j < g; ++j) {
+            float* sc = scores.data() + j * S;
+            for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
+              if (kvh == 0 && j == 0 && b == begin)
+                for (int64_t s = s0 + kPrefetchAhead; s < std::min(S, s0 + kPrefetchAhead + 16); ++s) {
+                  prefetch_row(k_rows[s]);
+                  prefetch_row(v_rows[s]);
+                }
+              if (j == 0)  // spread the next request's rows over this request's tiles
+                for (int64_t n = 0; n < next_per_tile && next_cursor < S_next; ++n, ++next_cursor) {
+                  prefetch_row(next_k_rows[next_cursor]);
+                  prefetch_row(next_v_rows[next_cursor]);
+                }
+              for (int k = 0; k < 16; ++k) dots[slot16(k)] = qh[j].dot(k_rows[s0 + k] + off);
+              _mm512_storeu_ps(sc + s0, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(scale)));
+            }
+            for (int64_t s = s_vec; s < S; ++s) sc[s] = _mm512_reduce_add_ps(qh[j].dot(k_rows[s] + off)) * scale;
+            softmax_inplace(sc, S);
+          }
         }
         // pass 2: weighted sum of V rows, each read once for the g query heads of this KV head
         __m512 acc[kMaxG][8];
@@ -373,6 +525,7 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
           for (int64_t d = 0; d < hv; ++d) store16(out + (b * num_heads + kvh * g + j) * head_dim + d * 16, acc[j][d]);
       }
     }
+    if (use_amx) _tile_release();
   });
 }
 
@@ -395,14 +548,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_pool.size(2), block_size = k_pool.size(1);
   if (q.scalar_type() == at::kBFloat16) {
+    // AMX scores need whole 16-position blocks (a block's unused slots are read, never used)
+    const bool use_amx = amx_attention_enabled && block_size % 16 == 0 && amx_available();
     decode_attention_impl<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
                                         block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(),
-                                        B, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale));
+                                        B, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale),
+                                        use_amx);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "bf16 or fp32");
     decode_attention_impl<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
                                  block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
-                                 B, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale));
+                                 B, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale),
+                                 false);
   }
   return out;
 }
@@ -658,11 +815,11 @@ torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, 
 }
 
 // amx_linear.cpp
-bool amx_available();
 torch::Tensor amx_pack_weight(torch::Tensor w);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
+  m.def("set_amx_attention", &set_amx_attention, "use AMX for decode attention scores where available (default on)");
   m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
   m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) on AMX tiles", py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none());
