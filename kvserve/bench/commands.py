@@ -16,6 +16,9 @@ from kvserve.errors import ConfigError
 
 MIB = 2**20
 BUSY_WARNING_FRACTION = 0.1
+# memory read before each throughput round: about the bytes of one batched decode step
+# (weights plus the KV of 64 requests), large enough that caches don't answer for memory
+_ROUND_PROBE_BYTES = 512 * MIB
 
 
 # ---- validation at the edge -------------------------------------------------------------
@@ -140,6 +143,7 @@ def throughput(args: argparse.Namespace) -> int:
     from kvserve.bench import plot, report
     from kvserve.bench.hf_peer import MODES
     from kvserve.bench.throughput import best_of_rounds, ratios, run_hf_peer, run_kvserve, warmup_workload
+    from kvserve.planner.calibrate import measure_read_bytes_per_s
     from kvserve.bench.workload import build_workload
 
     _check_workload(args)
@@ -172,9 +176,11 @@ def throughput(args: argparse.Namespace) -> int:
         "workload": workload.to_dict(),
         "warmup": warmup.to_dict(),
     }
-    rounds = []
+    rounds, round_read_gb_s = [], []
     for i in range(args.rounds):
         label = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
+        if args.rounds > 1:  # the host's memory bandwidth moves; kvserve's decode is bound by it
+            round_read_gb_s.append(measure_read_bytes_per_s(_ROUND_PROBE_BYTES, seconds=1.0) / 1e9)
         print(f"kvserve: {workload.num_requests} requests{label} …", file=sys.stderr)
         runs = [run_kvserve(llm, workload, warmup)]
         for mode in modes if args.compare == "hf" else []:
@@ -187,6 +193,7 @@ def throughput(args: argparse.Namespace) -> int:
                "workload": workload.describe(), "engines": engines, "ratios": ratios(engines)}
     if args.rounds > 1:
         results["round_ratios"] = [ratios(runs) for runs in rounds]
+        results["round_read_gb_s"] = round_read_gb_s
     report.print_throughput(results)
     _write_outputs(args, "throughput", results, plot.plot_throughput, contention)
     return 0

@@ -96,6 +96,9 @@ def throughput_table(r: dict[str, Any]) -> list[str]:
             lines.append(f"- kvserve × {peer}, round by round: {', '.join(per_round)} ({peer} elapsed s: {', '.join(elapsed)})")
         ours_elapsed = [_n(s, 1) for s in ours.get("elapsed_s_rounds", [])]
         lines.append(f"- kvserve elapsed s, round by round: {', '.join(ours_elapsed)}")
+        if r.get("round_read_gb_s"):
+            lines.append("- memory read (512 MiB summed) before each round: "
+                         + ", ".join(f"{x:.1f}" for x in r["round_read_gb_s"]) + " GB/s")
     return lines
 
 

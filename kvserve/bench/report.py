@@ -68,6 +68,8 @@ def print_throughput(results: dict[str, Any], console: Console | None = None) ->
         per_round = [f"{r[peer]:.2f}" for r in results.get("round_ratios", []) if peer in r]
         if per_round:
             console.print(f"kvserve × {peer}, round by round: {', '.join(per_round)}")
+    if results.get("round_read_gb_s"):
+        console.print("memory read before each round: " + ", ".join(f"{x:.1f}" for x in results["round_read_gb_s"]) + " GB/s")
     for r in results["engines"]:
         for key in ("error", "note", "warning"):
             if key in r:

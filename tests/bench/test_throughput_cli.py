@@ -48,6 +48,7 @@ def test_rounds_take_turns_and_keep_each_engines_fastest(tiny_llama, tmp_path, c
     for e in (ours, peer):
         assert len(e["elapsed_s_rounds"]) == 2 and e["elapsed_s"] == min(e["elapsed_s_rounds"])
     assert [set(x) for x in r["round_ratios"]] == [{"transformers generate"}] * 2
+    assert len(r["round_read_gb_s"]) == 2 and all(x > 0 for x in r["round_read_gb_s"])
     assert r["ratios"]["transformers generate"] == ours["output_tok_per_s"] / peer["output_tok_per_s"]
     assert "round by round" in capsys.readouterr().out
     assert any("round by round" in line for line in throughput_table(r))
