@@ -103,6 +103,20 @@ def test_engine_logits_with_and_without_kernels(tiny_llama, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch_including_extremes(dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(37, 2 * 96) * 4).to(dtype)
+    gate_up[0, :6] = torch.tensor([-1000.0, -100.0, -88.0, 88.0, 100.0, 1000.0])  # exp over- and underflow
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    silu = F.silu(gate).to(dtype).float()  # the model rounds silu(gate) to its dtype before the product
+    expected = silu * up
+    got = ops.silu_and_mul(gate_up)
+    assert torch.isfinite(got.float()).all()
+    # bf16: two roundings (silu, then the product), so a tie can land one bf16 step (2^-8) away
+    torch.testing.assert_close(got.float(), expected, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_rows_matches_torch_with_ties(dtype):
     torch.manual_seed(0)
     x = torch.randn(7, 1000).to(dtype)

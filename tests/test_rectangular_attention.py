@@ -104,3 +104,38 @@ def test_chunks_run_without_history_then_concatenated_differ(engine):
     concatenated = driver.decode(req, prompt[-1])
     driver.free(req)
     assert (concatenated - whole).abs().max() > 1e-2
+
+
+def test_equal_length_prompts_batched_in_one_step_equal_each_alone(engine):
+    """Whole prompts of one length in one step share one batched SDPA call (a FreshGroup);
+    a chunk over history and a prompt of another length in the same step run alone."""
+    tok = engine.tokenizer
+    prompts = [tok.encode(f"{PROMPT} {w}")[:20] for w in ("red", "green", "blue")]
+    assert {len(p) for p in prompts} == {20}
+    other = tok.encode(PROMPT)[:13]
+    history = tok.encode(PROMPT)[:24]
+    alone = {i: _whole(engine, p) for i, p in enumerate(prompts + [other, history])}
+
+    driver = PagedDriver(engine)
+    resumed = driver.new_request(history)
+    driver.step([(resumed, 16)])  # 16 cached, 8 still to compute over that history
+    reqs = [driver.new_request(p) for p in prompts + [other]]
+    out = driver.step([(r, r.num_tokens) for r in reqs[:2]] + [(resumed, 8)] + [(r, r.num_tokens) for r in reqs[2:]])
+    for i, r in enumerate(reqs):
+        torch.testing.assert_close(out[r.request_id], alone[i], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[resumed.request_id], alone[4], atol=1e-5, rtol=1e-5)
+    for r in [*reqs, resumed]:
+        driver.free(r)
+
+
+def test_prefill_groups_join_only_adjacent_fresh_prompts_of_one_length():
+    def seg(start, m, cached=0):
+        return PrefillSegment(start, m, cached, torch.arange(start, start + cached + m), None)
+
+    segs = [seg(0, 4), seg(4, 4), seg(8, 4, cached=2), seg(12, 4), seg(16, 4), seg(20, 5), seg(25, 4)]
+    meta = AttentionMetadata(torch.arange(29), 0, None, None, None, None, segs)
+    groups, alone = meta.prefill_groups()
+    assert [(g.query_start, g.num_segments, g.num_new) for g in groups] == [(0, 2, 4), (12, 2, 4)]
+    assert torch.equal(groups[0].slots, torch.arange(0, 8))
+    assert [s.query_start for s in alone] == [8, 20, 25]
+    assert meta.prefill_groups() is meta.prefill_groups()  # built once per step, shared by the layers

@@ -24,6 +24,18 @@ class PrefillSegment:
 
 
 @dataclasses.dataclass
+class FreshGroup:
+    """Whole prompts (S0 = 0) of one length m, adjacent in the flat batch: one batched causal
+    SDPA call serves them all (a step of 16 prompts of 128 tokens made 16 calls per layer,
+    and their Python overhead cost more than the attention itself)."""
+
+    query_start: int
+    num_segments: int
+    num_new: int
+    slots: torch.Tensor  # [num_segments * m], the segments' new slots in order
+
+
+@dataclasses.dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decodes: int
@@ -34,6 +46,40 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32, S0 + 1
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, for in-place kernels
     prefills: list[PrefillSegment]
+    _groups: tuple[list[FreshGroup], list[PrefillSegment]] | None = dataclasses.field(default=None, repr=False)
+
+    def prefill_groups(self) -> tuple[list[FreshGroup], list[PrefillSegment]]:
+        """Fresh prompts grouped for batched attention, and the segments left to run alone.
+        Computed on the first layer's call and kept for the others."""
+        if self._groups is None:
+            groups: list[FreshGroup] = []
+            alone: list[PrefillSegment] = []
+            run: list[PrefillSegment] = []
+
+            def close_run() -> None:
+                if len(run) > 1:
+                    slots = torch.cat([seg.context_slots for seg in run])
+                    groups.append(FreshGroup(run[0].query_start, len(run), run[0].num_new, slots))
+                else:
+                    alone.extend(run)
+                run.clear()
+
+            for seg in self.prefills:
+                joins = (
+                    seg.num_cached == 0
+                    and run
+                    and seg.num_new == run[0].num_new
+                    and seg.query_start == run[-1].query_start + run[-1].num_new
+                )
+                if not joins:
+                    close_run()
+                if seg.num_cached == 0:
+                    run.append(seg)
+                else:
+                    alone.append(seg)
+            close_run()
+            self._groups = (groups, alone)
+        return self._groups
 
 
 def context_slots(block_table: list[int], num_positions: int, block_size: int) -> torch.Tensor:

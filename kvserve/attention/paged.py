@@ -49,9 +49,22 @@ def prefill_attention(
     K/V heads are repeated to the query heads here: prefill is compute-bound, and SDPA's
     fused causal path (no mask tensor at all when S0 = 0) beats every masked variant.
     """
-    num_heads = q.shape[1]
-    g = num_heads // k_pool.shape[-2]
-    for seg in meta.prefills:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[-2]
+    g = num_heads // num_kv_heads
+    groups, alone = meta.prefill_groups()
+    for grp in groups:
+        n, m = grp.num_segments, grp.num_new
+        rows = slice(grp.query_start, grp.query_start + n * m)
+        qs = q[rows].view(n, m, num_heads, head_dim).transpose(1, 2)  # [n, N_q, m, H]
+        k = gather(k_pool, grp.slots).view(n, m, num_kv_heads, head_dim).transpose(1, 2)
+        v = gather(v_pool, grp.slots).view(n, m, num_kv_heads, head_dim).transpose(1, 2)
+        if g > 1:
+            k = k.repeat_interleave(g, dim=1)
+            v = v.repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
+        out[rows] = o.transpose(1, 2).reshape(n * m, num_heads, head_dim)
+    for seg in alone:
         m = seg.num_new
         qs = q[seg.query_start : seg.query_start + m].transpose(0, 1).unsqueeze(0)  # [1, N_q, m, H]
         k = gather(k_pool, seg.context_slots).transpose(0, 1)  # [N_kv, S0+m, H]
