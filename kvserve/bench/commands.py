@@ -143,8 +143,8 @@ def throughput(args: argparse.Namespace) -> int:
     from kvserve.bench import plot, report
     from kvserve.bench.hf_peer import MODES
     from kvserve.bench.throughput import best_of_rounds, ratios, run_hf_peer, run_kvserve, warmup_workload
-    from kvserve.planner.calibrate import measure_read_bytes_per_s
     from kvserve.bench.workload import build_workload
+    from kvserve.planner.calibrate import measure_read_bytes_per_s
 
     _check_workload(args)
     modes = [m.strip() for m in args.hf_modes.split(",") if m.strip()]
