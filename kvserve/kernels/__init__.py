@@ -18,6 +18,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "amx_linear.cpp")]
+_HEADERS = [Path(__file__).with_name("amx_tiles.h")]
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
@@ -54,7 +55,7 @@ def cpu_ops():
 
     from kvserve.model.weight_cache import cache_root
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
     name = f"kvserve_cpu_ops_{digest}"
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@
 #include <unistd.h>
 #include <cstring>
 
+#include "amx_tiles.h"
+
 namespace {
 
 constexpr int kTileRows = 16;    // rows of x per A tile, K pairs per B tile
@@ -32,24 +34,9 @@ constexpr int64_t kPanelTiles = 16;  // 256 rows of x per panel in the larger-x 
 // 64-request decode step: no prefetch ~10% slower; 1, 2 or 4 blocks, to L1 or L2, within noise.
 constexpr int kPrefetchBlocks = 2;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: the four C accumulators (16 rows × 16 fp32); 4, 5: A (16 rows × 32 bf16) or,
 // in column_block, A and B; 6, 7: B in column_pair.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+constexpr int kTilesUsed = 8;
 
 inline void store_row(const float* acc, const at::BFloat16* bias, at::BFloat16* y) {
   __m512 v = _mm512_loadu_ps(acc);
@@ -124,8 +111,7 @@ void column_pair(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat
 
 }  // namespace
 
-// True when this CPU has AMX-BF16 and the kernel let this process use the tile registers
-// (Linux hands out the 8 KiB tile state only on request, once per process).
+// Linux hands out the 8 KiB tile state only on request, once per process.
 bool amx_available() {
   static const bool ok = [] {
     if (!__builtin_cpu_supports("avx512f")) return false;
@@ -170,7 +156,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   }
   const auto* xp = xs.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = bias ? bias->contiguous().data_ptr<at::BFloat16>() : nullptr;
+  const torch::Tensor bias_c = bias ? bias->contiguous() : torch::Tensor();  // kept alive for bp
+  const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t x_stride = K * 2, block_elems = KB * kTileRows * kTileK, m_tiles = Mp / kTileRows;
   // one C tile (16 rows of x × one column block) out to y: + bias in fp32, rounded to bf16
@@ -197,7 +184,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   if (m_tiles <= kSmallTiles) {
     // decode-sized x: each weight tile is read once, from memory, for all rows of x
     at::parallel_for(0, NB, 1, [&](int64_t nb_begin, int64_t nb_end) {
-      configure_tiles();
+      configure_full_tiles(kTilesUsed);
       alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
       for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
         const char* pf = nb + kPrefetchBlocks < nb_end
@@ -212,7 +199,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   // larger x: panels of kPanelTiles A tiles stay in L2 while this thread's column blocks
   // pass over them in pairs, 32 rows at a time (column_pair's 2×2 grid of C tiles)
   at::parallel_for(0, NB, 2, [&](int64_t nb_begin, int64_t nb_end) {
-    configure_tiles();
+    configure_full_tiles(kTilesUsed);
     alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
     for (int64_t p0 = 0; p0 < m_tiles; p0 += kPanelTiles) {
       const int64_t p1 = std::min(m_tiles, p0 + kPanelTiles);

@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-bool amx_available();  // amx_linear.cpp
+#include "amx_tiles.h"
 
 // Tests switch the AMX scores off to check both decode-attention paths on one machine.
 static bool amx_attention_enabled = true;
@@ -226,6 +226,32 @@ inline void accumulate_values(const float* const* v_rows, int64_t off, const flo
   }
 }
 
+// acc[0..1] (features 0-15, 16-31 of a 32-feature chunk) += the chunk's sums from the
+// unpacklo/unpackhi pairing both V passes use: lo lane (4k + i) holds feature 8k + i, hi
+// lane (4k + i) feature 8k + 4 + i (k = 128-bit lane).
+inline void add_deinterleaved(__m512* acc, __m512 lo, __m512 hi) {
+  const __m512i to_lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  acc[0] = _mm512_add_ps(acc[0], _mm512_permutex2var_ps(lo, to_lo, hi));
+  acc[1] = _mm512_add_ps(acc[1], _mm512_permutex2var_ps(lo, to_hi, hi));
+}
+
+// The g heads' probabilities rounded to bf16 once, 16 at a time, into rows of `ld` (zero
+// past S): rounding each pair in scalar code cost as much as the whole V pass. `rows` >= g
+// rows are allocated (the AMX pass reads 16; rows past g are never used).
+inline uint16_t* probabilities_bf16(const float* scores, int64_t S, int64_t g, int64_t ld, int64_t rows) {
+  thread_local std::vector<uint16_t> pbf;
+  pbf.resize(rows * ld);
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t s0 = 0; s0 < ld; s0 += 16) {
+      const int64_t live_n = std::max<int64_t>(0, std::min<int64_t>(16, S - s0));
+      const __mmask16 live = live_n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live_n) - 1);
+      const __m512 p = _mm512_maskz_loadu_ps(live, scores + j * S + s0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf.data() + j * ld + s0), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  return pbf.data();
+}
+
 // The pair loop for up to G query heads and C chunks of 32 features, with G and C known at
 // compile time so the 2·G·C accumulators stay in registers (with a runtime head count
 // they lived on the stack, and this loop ran at ~70 cycles per pair of positions).
@@ -262,14 +288,8 @@ void accumulate_pairs(const at::BFloat16* const* v_rows, int64_t off, const uint
       }
     }
   }
-  // lo lane (4k + i) holds dim 8k + i, hi lane (4k + i) holds dim 8k + 4 + i (k = 128-bit lane)
-  const __m512i to_lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int j = 0; j < G && j < gcount; ++j)
-    for (int c = 0; c < C; ++c) {
-      acc[j][2 * c] = _mm512_add_ps(acc[j][2 * c], _mm512_permutex2var_ps(lo[j][c], to_lo, hi[j][c]));
-      acc[j][2 * c + 1] = _mm512_add_ps(acc[j][2 * c + 1], _mm512_permutex2var_ps(lo[j][c], to_hi, hi[j][c]));
-    }
+    for (int c = 0; c < C; ++c) add_deinterleaved(&acc[j][2 * c], lo[j][c], hi[j][c]);
 }
 
 // bf16: two positions per step with dpbf16 (P in bf16, as FlashAttention feeds its PV
@@ -278,17 +298,9 @@ void accumulate_pairs(const at::BFloat16* const* v_rows, int64_t off, const uint
 inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, const float* scores, int64_t S,
                               int64_t g, int64_t hv, __m512 (*acc)[8]) {
   const int64_t chunks = hv / 2;  // 32 bf16 per chunk
-  // the probabilities rounded to bf16 once, 16 at a time (rounding each pair in scalar code
-  // cost as much as the whole V pass); a pair (p[s], p[s+1]) is then one 32-bit broadcast
-  thread_local std::vector<uint16_t> pbf;
+  // a pair (p[s], p[s+1]) of the bf16 probabilities is then one 32-bit broadcast
   const int64_t S_pad = (S + 15) / 16 * 16;
-  pbf.resize(g * S_pad);
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t s0 = 0; s0 < S; s0 += 16) {
-      const __mmask16 live = S - s0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (S - s0)) - 1);
-      const __m512 p = _mm512_maskz_loadu_ps(live, scores + j * S + s0);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf.data() + j * S_pad + s0), (__m256i)_mm512_cvtneps_pbh(p));
-    }
+  const uint16_t* pbf = probabilities_bf16(scores, S, g, S_pad, g);
   const int64_t pairs_end = S / 2 * 2;
   // Heads in groups small enough for the accumulators to fit the 32 vector registers, of a
   // size that divides g where one does: a group's unused heads still cost their dpbf16s,
@@ -299,7 +311,7 @@ inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, co
     if (g % size == 0) { group = size; break; }
   for (int64_t j0 = 0; j0 < g; j0 += group) {
     const int64_t n = std::min(group, g - j0);
-    const uint16_t* p = pbf.data() + j0 * S_pad;
+    const uint16_t* p = pbf + j0 * S_pad;
     __m512 (*a)[8] = acc + j0;
     switch (chunks * 16 + group) {
       case 16 + 8: accumulate_pairs<8, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
@@ -339,23 +351,6 @@ inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, co
 // C[position][head] comes out with no horizontal sums: the AVX512 path spends ~45 shuffles
 // and adds per 16 positions per head reducing dot products across lanes, and re-reads
 // each K row once per head. Tiles: 0 = C, 1 = A, 2..5 = B (head_dim up to 128).
-struct alignas(64) AttnTileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void attention_tiles_configure() {
-  AttnTileConfig cfg;
-  for (int t = 0; t < 6; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // B tiles for the g query heads of one KV head: qb[c][kp][n][i] = q[n][32c + 2kp + i].
 inline void pack_query_tiles(const at::BFloat16* q, int64_t g, int64_t head_dim, uint16_t* qb) {
   const int64_t chunks = head_dim / 32;
@@ -463,36 +458,23 @@ void amx_values_pass(const at::BFloat16* const* v_rows, int64_t off, int64_t c_f
     _tile_stored(4, c_out[2], 64);
     _tile_stored(5, c_out[3], 64);
   }
-  // lo column (4k + i) holds feature 8k + i, hi column (4k + i) feature 8k + 4 + i
-  const __m512i to_lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  // B's columns were features in the unpack order: put them back as the AVX512 pass does
   for (int64_t j = 0; j < g; ++j)
-    for (int c = 0; c < Chunks; ++c) {
-      const __m512 lo = _mm512_load_ps(c_out[2 * c] + j * 16), hi = _mm512_load_ps(c_out[2 * c + 1] + j * 16);
-      const int64_t d = 2 * (c_first + c);
-      acc[j][d] = _mm512_add_ps(acc[j][d], _mm512_permutex2var_ps(lo, to_lo, hi));
-      acc[j][d + 1] = _mm512_add_ps(acc[j][d + 1], _mm512_permutex2var_ps(lo, to_hi, hi));
-    }
+    for (int c = 0; c < Chunks; ++c)
+      add_deinterleaved(&acc[j][2 * (c_first + c)], _mm512_load_ps(c_out[2 * c] + j * 16),
+                        _mm512_load_ps(c_out[2 * c + 1] + j * 16));
 }
 
 // The V pass on AMX: probabilities to bf16 (16 rows, so the A tile's reads stay in the
 // buffer; rows past g are never used), then up to two 32-feature chunks per pass over V.
 inline void amx_values(const at::BFloat16* const* v_rows, int64_t off, const float* scores, int64_t S, int64_t g,
                        int64_t head_dim, __m512 (*acc)[8]) {
-  thread_local std::vector<uint16_t> pbf;
-  const int64_t ld = (S + 31) / 32 * 32;
-  pbf.resize(16 * ld);
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t s0 = 0; s0 < ld; s0 += 16) {
-      const int64_t live_n = std::max<int64_t>(0, std::min<int64_t>(16, S - s0));
-      const __mmask16 live = live_n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live_n) - 1);
-      const __m512 p = _mm512_maskz_loadu_ps(live, scores + j * S + s0);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf.data() + j * ld + s0), (__m256i)_mm512_cvtneps_pbh(p));
-    }
+  const int64_t ld = (S + 31) / 32 * 32;  // whole 32-position A tiles
+  const uint16_t* pbf = probabilities_bf16(scores, S, g, ld, 16);
   const int64_t chunks = head_dim / 32;
   for (int64_t c = 0; c < chunks; c += 2) {
-    if (chunks - c >= 2) amx_values_pass<2>(v_rows, off, c, pbf.data(), ld, S, g, acc);
-    else amx_values_pass<1>(v_rows, off, c, pbf.data(), ld, S, g, acc);
+    if (chunks - c >= 2) amx_values_pass<2>(v_rows, off, c, pbf, ld, S, g, acc);
+    else amx_values_pass<1>(v_rows, off, c, pbf, ld, S, g, acc);
   }
 }
 
@@ -511,7 +493,7 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
     QueryFor<T> qh[kMaxG];
     __m512 dots[16];
     alignas(64) uint16_t qb[4 * 512];  // the query heads' B tiles (AMX path)
-    if (use_amx) attention_tiles_configure();
+    if (use_amx) configure_full_tiles(6);  // 0 = C, 1 = A, 2..5 = B
     // slot addresses of a request's positions, walking its block table (no division per position)
     auto slot_rows = [&](int64_t req, std::vector<const T*>& ks, std::vector<const T*>& vs) {
       const int64_t S = context_lens[req];

@@ -141,8 +141,7 @@ class LlamaForCausalLM(nn.Module):
     def _find_fused_decode_rows(self) -> int:
         arch = self.arch
         if not (
-            self.fused_decode
-            and self.ops is not None
+            self.ops is not None
             and self.dtype == torch.bfloat16
             and self.layers[0].self_attn.attention_ops is not None
             and self.layers[0].self_attn.rope_ops is not None
