@@ -47,6 +47,20 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, for in-place kernels
     prefills: list[PrefillSegment]
     _groups: tuple[list[FreshGroup], list[PrefillSegment]] | None = dataclasses.field(default=None, repr=False)
+    _kernel_args: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the AMX prefill kernel reads (`ops.paged_prefill_attention`): every segment's
+        context slots back to back (int64), and per segment (query_start, m, S0, offset of its
+        slots) as an int64 [n, 4]. Built on the first layer's call and kept for the others."""
+        if self._kernel_args is None:
+            rows, offset = [], 0
+            for seg in self.prefills:
+                rows.append((seg.query_start, seg.num_new, seg.num_cached, offset))
+                offset += seg.context_slots.numel()
+            slots = torch.cat([seg.context_slots for seg in self.prefills]).to(torch.long)
+            self._kernel_args = (slots, torch.tensor(rows, dtype=torch.long).view(-1, 4))
+        return self._kernel_args
 
     def prefill_groups(self) -> tuple[list[FreshGroup], list[PrefillSegment]]:
         """Fresh prompts grouped for batched attention, and the segments left to run alone.

@@ -86,11 +86,12 @@ def paged_attention(
     """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H].
 
     With the CPU kernels loaded, decodes read the block pool in place through the block
-    tables; otherwise they gather and call SDPA (the reference path).
+    tables, and prompt tokens (bf16, AMX) through their slots; otherwise they gather and
+    call SDPA (the reference path).
     """
     if meta.num_decodes and not meta.prefills and ops is not None:
         return ops.paged_decode_attention(q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if meta.num_decodes:
         if ops is not None:
             out[: meta.num_decodes] = ops.paged_decode_attention(
@@ -99,5 +100,15 @@ def paged_attention(
         else:
             out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale)
     if meta.prefills:
-        prefill_attention(q, k_pool, v_pool, meta, scale, out)
+        if ops is not None and prefill_kernel_applies(ops, q, k_pool):
+            slots, segments = meta.prefill_kernel_args()
+            ops.paged_prefill_attention(q.contiguous(), k_pool, v_pool, slots, segments, scale, out)
+        else:
+            prefill_attention(q, k_pool, v_pool, meta, scale, out)
     return out
+
+
+def prefill_kernel_applies(ops, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """The AMX prefill kernel serves bf16 with head_dim % 32 == 0 on a CPU with AMX; anything
+    else takes prefill_attention, the reference it is tested against."""
+    return q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and k_pool.is_contiguous() and ops.amx_available()

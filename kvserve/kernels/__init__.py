@@ -17,8 +17,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "amx_linear.cpp")]
-_HEADERS = [Path(__file__).with_name("amx_tiles.h")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "amx_linear.cpp", "prefill_attention.cpp")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("amx_tiles.h", "vec_math.h")]
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 

@@ -1,0 +1,43 @@
+// Vector helpers shared by the kernels (cpu_ops.cpp, prefill_attention.cpp): bf16 ↔ fp32
+// for 16 lanes, and e^x for softmax and SiLU.
+#pragma once
+#include <torch/extension.h>
+#include <immintrin.h>
+
+namespace {
+
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline void store16(at::BFloat16* p, __m512 v) {
+  // round to nearest even, as torch does
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+inline at::BFloat16 to_bf16(float f) { return at::BFloat16(f); }
+
+// e^x for 16 lanes: 2^(x·log2 e) split into an integer power (scalef) and a degree-6
+// polynomial on the fraction; relative error ~1e-7, far below bf16's and the softmax's needs.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace
