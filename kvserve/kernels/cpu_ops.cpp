@@ -6,7 +6,8 @@
 //                     one new query per request attending to its S0 + 1 cached positions,
 //                     read in place from the block pool through the block table (no gather
 //                     copy), g query heads of a KV head sharing each K/V row read.
-// Batched projections on AMX tiles live in amx_linear.cpp. The plain-torch path stays the
+// Batched projections on AMX tiles live in amx_linear.cpp, prompt-token attention on AMX
+// tiles in prefill_attention.cpp (both bound here). The plain-torch path stays the
 // reference these are tested against; kvserve/kernels/__init__.py falls back to it where
 // they cannot be built.
 #include <torch/extension.h>

@@ -109,8 +109,8 @@ void block_scores(const uint16_t* qa, int64_t q_stride, const uint32_t* kp, int6
 }
 
 // Row r of S: scale, softmax over its first `visible` keys, bf16 probabilities into p (zeros
-// after, up to `width`, a multiple of 32).
-void softmax_row(const float* s, int64_t visible, int64_t width, float scale, uint16_t* p) {
+// after, up to `width`, a multiple of 32). The row is overwritten with the exponentials.
+void softmax_row(float* s, int64_t visible, int64_t width, float scale, uint16_t* p) {
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 mx = _mm512_set1_ps(-INFINITY);
   int64_t k = 0;
@@ -118,8 +118,8 @@ void softmax_row(const float* s, int64_t visible, int64_t width, float scale, ui
   const __mmask16 tail = static_cast<__mmask16>((1u << (visible - k)) - 1);
   if (k < visible) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + k));
   const __m512 mxs = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
-  // two passes over the row: e^(s·scale − max) into s's slot, then normalise and round
-  float* e = const_cast<float*>(s);
+  // two passes over the row: e^(s·scale − max) in place, then normalise and round
+  float* e = s;
   __m512 sum = _mm512_setzero_ps();
   for (k = 0; k + 16 <= visible; k += 16) {
     const __m512 v = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + k), sc, mxs));
@@ -192,6 +192,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tenso
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "contiguous pools and out");
   const int64_t D = q.size(2), num_heads = q.size(1), num_kv = k_pool.size(2);
   TORCH_CHECK(D % 32 == 0 && k_pool.size(3) == D && num_heads % num_kv == 0, "paged_prefill_attention: head_dim % 32");
+  TORCH_CHECK(scale > 0, "paged_prefill_attention: scale > 0 (the row maximum is taken before scaling)");
   q = q.contiguous();
   slots = slots.contiguous();
   segments = segments.contiguous();
