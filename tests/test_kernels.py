@@ -155,7 +155,7 @@ def test_engine_logits_with_and_without_kernels(tiny_model_dirs, variant, dtype)
         assert engine.uses_cpu_kernels == cpu_kernels
         driver = PagedDriver(engine)
         req = driver.new_request(engine.tokenizer.encode("The quick brown fox jumps over the lazy dog"))
-        out = [driver.prefill(req)]
+        out = [driver.prefill(req, chunk=4)]  # later chunks attend over cached history (S0 > 0)
         for token in (5, 9, 11):
             out.append(driver.decode(req, token))
         return torch.stack(out)
