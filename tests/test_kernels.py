@@ -173,6 +173,26 @@ def test_engine_logits_with_and_without_kernels(tiny_model_dirs, variant, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_layer(dtype, with_residual):
+    from kvserve.model.layers import RMSNorm
+
+    torch.manual_seed(0)
+    x = (torch.randn(37, 576) * 3).to(dtype)
+    residual = torch.randn(37, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    reference = RMSNorm(weight, 1e-5)  # no ops: the plain-torch path
+    res_ref, res_got = residual.clone(), residual.clone()
+    expected = reference(x.clone(), res_ref if with_residual else None)
+    got = ops.rms_norm(x.clone(), weight, 1e-5, res_got if with_residual else None)
+    # same order of operations (fp32 statistics, rounded to the dtype, then scaled): the
+    # results may differ only by the last-place rounding of 1/sqrt and of the product
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+    if with_residual:
+        assert torch.equal(res_got, res_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_torch_including_extremes(dtype):
     torch.manual_seed(0)
     gate_up = (torch.randn(37, 2 * 96) * 4).to(dtype)

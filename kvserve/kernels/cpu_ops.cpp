@@ -634,11 +634,7 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps) {
   for (int64_t d = 0; d < D; d += 16) {
     // normalise in fp32, round to the model dtype, then scale (the reference's order)
     __m512 n = _mm512_mul_ps(load16(x + d), invb);
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      alignas(64) at::BFloat16 tmp[16];
-      store16(tmp, n);
-      n = load16(tmp);
-    }
+    if constexpr (std::is_same_v<T, at::BFloat16>) n = round_bf16(n);
     store16(out + d, _mm512_mul_ps(n, load16(w + d)));
   }
 }

@@ -21,6 +21,15 @@ inline void store16(at::BFloat16* p, __m512 v) {
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
+// v rounded to bf16 as store16 rounds it, kept in fp32 lanes: store16 then load16 without
+// the trip through memory.
+inline __m512 round_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 inline at::BFloat16 to_bf16(float f) { return at::BFloat16(f); }
 
 // e^x for 16 lanes: 2^(x·log2 e) split into an integer power (scalef) and a degree-6
