@@ -102,7 +102,7 @@ def paged_attention(
     if meta.prefills:
         if ops is not None and prefill_kernel_applies(ops, q, k_pool):
             slots, segments = meta.prefill_kernel_args()
-            ops.paged_prefill_attention(q.contiguous(), k_pool, v_pool, slots, segments, scale, out)
+            ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out)
         else:
             prefill_attention(q, k_pool, v_pool, meta, scale, out)
     return out

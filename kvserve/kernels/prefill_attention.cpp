@@ -72,40 +72,50 @@ void pack_values(const uint16_t* v_pool, int64_t row_elems, int64_t head, const 
     }
 }
 
-// S[16][ld] (fp32) = Q tile rows · Kᵀ for key blocks [0, blocks). Q's chunk tiles come from
-// `qa` (16 rows, `q_stride` bytes apart), the K tiles from `kp` (packed by pack_keys).
+// C tiles 0..group-1 (group <= 4) = Σ over `steps` of A(step) · B_i(step), the tile shape
+// both products of a unit share. Step t loads one A tile (16 rows of 32 bf16 at
+// a + t·a_step, rows a_stride bytes apart) that feeds every product, and the B tiles
+// b + t·b_step + i·b_next (packed pairs, 1 KiB each), alternating between tiles 6 and 7 so a
+// load never waits on the product still reading the other. C tile i goes to out + 16 i,
+// rows out_ld bytes apart.
+void four_products(const uint16_t* a, int64_t a_step, int64_t a_stride, const uint32_t* b, int64_t b_step,
+                   int64_t b_next, int64_t steps, int64_t group, float* out, int64_t out_ld) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = 0; t < steps; ++t) {
+    _tile_loadd(4, a + t * a_step, a_stride);
+    const uint32_t* bt = b + t * b_step;
+    _tile_loadd(6, bt, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (group > 1) {
+      _tile_loadd(7, bt + b_next, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (group > 2) {
+      _tile_loadd(6, bt + 2 * b_next, 64);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if (group > 3) {
+      _tile_loadd(7, bt + 3 * b_next, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  _tile_stored(0, out, out_ld);
+  if (group > 1) _tile_stored(1, out + 16, out_ld);
+  if (group > 2) _tile_stored(2, out + 32, out_ld);
+  if (group > 3) _tile_stored(3, out + 48, out_ld);
+}
+
+// S[16][ld] (fp32) = Q tile rows · Kᵀ for key blocks [0, blocks), four blocks per pass over
+// Q's chunks. Q's chunk tiles come from `qa` (16 rows, `q_stride` bytes apart), the K tiles
+// from `kp` (packed by pack_keys: [block][chunk] tiles).
 void block_scores(const uint16_t* qa, int64_t q_stride, const uint32_t* kp, int64_t chunks, int64_t blocks,
                   float* s, int64_t ld) {
-  for (int64_t j0 = 0; j0 < blocks; j0 += 4) {
-    const int64_t group = std::min<int64_t>(4, blocks - j0);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < chunks; ++c) {
-      _tile_loadd(4, qa + c * 32, q_stride);
-      const uint32_t* kt = kp + (j0 * chunks + c) * 256;
-      _tile_loadd(6, kt, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (group > 1) {
-        _tile_loadd(7, kt + chunks * 256, 64);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      if (group > 2) {
-        _tile_loadd(6, kt + 2 * chunks * 256, 64);
-        _tile_dpbf16ps(2, 4, 6);
-      }
-      if (group > 3) {
-        _tile_loadd(7, kt + 3 * chunks * 256, 64);
-        _tile_dpbf16ps(3, 4, 7);
-      }
-    }
-    float* out = s + j0 * kKeyBlock;
-    _tile_stored(0, out, ld * 4);
-    if (group > 1) _tile_stored(1, out + 16, ld * 4);
-    if (group > 2) _tile_stored(2, out + 32, ld * 4);
-    if (group > 3) _tile_stored(3, out + 48, ld * 4);
-  }
+  for (int64_t j0 = 0; j0 < blocks; j0 += 4)
+    four_products(qa, 32, q_stride, kp + j0 * chunks * 256, 256, chunks * 256, chunks,
+                  std::min<int64_t>(4, blocks - j0), s + j0 * kKeyBlock, ld * 4);
 }
 
 // Row r of S: scale, softmax over its first `visible` keys, bf16 probabilities into p (zeros
@@ -140,39 +150,12 @@ void softmax_row(float* s, int64_t visible, int64_t width, float scale, uint16_t
   for (; done < width; done += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + done), _mm256_setzero_si256());
 }
 
-// O[16][D] (fp32) = P[16][32·pairs] · V for the packed V of one KV head.
+// O[16][D] (fp32) = P[16][32·pairs] · V for the packed V of one KV head ([pair block][chunk
+// of 16 features] tiles), four feature chunks per pass over the probabilities.
 void block_values(const uint16_t* p, int64_t p_ld, const uint32_t* vp, int64_t chunks, int64_t pairs, float* o) {
-  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-    const int64_t group = std::min<int64_t>(4, chunks - c0);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t j = 0; j < pairs; ++j) {
-      _tile_loadd(4, p + j * kKeyPair, p_ld * 2);
-      const uint32_t* vt = vp + (j * chunks + c0) * 256;
-      _tile_loadd(6, vt, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (group > 1) {
-        _tile_loadd(7, vt + 256, 64);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      if (group > 2) {
-        _tile_loadd(6, vt + 512, 64);
-        _tile_dpbf16ps(2, 4, 6);
-      }
-      if (group > 3) {
-        _tile_loadd(7, vt + 768, 64);
-        _tile_dpbf16ps(3, 4, 7);
-      }
-    }
-    float* out = o + c0 * 16;
-    const int64_t ld = chunks * 16 * 4;
-    _tile_stored(0, out, ld);
-    if (group > 1) _tile_stored(1, out + 16, ld);
-    if (group > 2) _tile_stored(2, out + 32, ld);
-    if (group > 3) _tile_stored(3, out + 48, ld);
-  }
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4)
+    four_products(p, kKeyPair, p_ld * 2, vp + c0 * 256, chunks * 256, 256, pairs, std::min<int64_t>(4, chunks - c0),
+                  o + c0 * 16, chunks * 16 * 4);
 }
 
 }  // namespace
