@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prepack-weights",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="CPU bf16: a copy of each projection packed for batched steps (AMX tiles, else oneDNN; doubles weight memory)",
+        help="CPU bf16: a copy of each projection packed for batched steps (AMX tiles up to 1024 rows, oneDNN's layout past that; each copy adds the weights' memory again)",
     )
 
 
