@@ -237,6 +237,31 @@ def test_amx_linear_matches_torch(rows, n, k, with_bias):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [9, 16, 37, 64, 128, 129, 300])
+@pytest.mark.parametrize("intermediate", [48, 64])  # an odd and an even count of 16-column blocks per half
+def test_amx_linear_silu_mul_is_the_unfused_pair_bitwise(rows, intermediate):
+    """The fused gate/up kernel against amx_linear then silu_and_mul on the plain [gate; up]
+    pack: both loops, rows off the tile grid, odd A tiles in a panel — bit for bit."""
+    from kvserve.model.layers import interleave_gate_up
+
+    g = torch.Generator().manual_seed(rows + intermediate)
+    gate_up = (torch.randn(2 * intermediate, 96, generator=g) * 0.2).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    expected = ops.silu_and_mul(ops.amx_linear(x, ops.amx_pack_weight(gate_up), None))
+    got = ops.amx_linear_silu_mul(x, ops.amx_pack_weight(interleave_gate_up(gate_up)))
+    assert got.shape == (rows, intermediate)
+    assert torch.equal(got, expected)
+
+
+def test_interleave_gate_up_alternates_16_row_blocks():
+    from kvserve.model.layers import interleave_gate_up
+
+    gate_up = torch.arange(64).view(64, 1)  # gate rows 0-31, up rows 32-63
+    order = interleave_gate_up(gate_up).view(-1).tolist()
+    assert order == [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
+
+
+@needs_amx
 def test_amx_pack_weight_rejects_shapes_off_the_tile_grid():
     with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
         ops.amx_pack_weight(torch.zeros(24, 32, dtype=torch.bfloat16))

