@@ -533,11 +533,10 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
                 prefetch_row(k_rows[s]);
                 prefetch_row(v_rows[s]);
               }
-            // the next request's rows are prefetched here as in the AVX512 loop below
-            // the next request's rows, a third (per KV head) spread evenly over this head's
-            // score blocks: issued all at once (as the AVX512 loop below can afford), the
-            // prefetches filled the fill buffers and stalled the tile work behind them —
-            // spread, 30 layers × 64 requests of ~195 positions took 16.5 ms instead of 18.9
+            // the next request's rows, 1/num_kv_heads of them per KV head, spread evenly over
+            // this head's score blocks: issued in one burst, the prefetches filled the fill
+            // buffers and stalled the tile work behind them (30 layers × 64 requests of ~195
+            // positions, from memory: 16.5 ms spread against 18.9 in bursts)
             const int64_t quota_end = std::min(S_next, (kvh + 1) * S_next / num_kv_heads);
             const int64_t per_block = (quota_end - next_cursor + (S + 15) / 16 - 1) / ((S + 15) / 16);
             auto hook = [&] {
