@@ -206,48 +206,39 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
     const int tiles = compute_group(t0, t_end, nb, pf, acc);
     for (int t = 0; t < tiles; ++t) store_tile(acc[t], t0 + t, nb);
   };
+  // threads split the column blocks in units: one block, or with silu_mul a gate block and
+  // its up block, so both halves of an output block meet in one thread
+  const int64_t unit_blocks = silu_mul ? 2 : 1, units = NB / unit_blocks;
   if (m_tiles <= kSmallTiles) {
     // decode-sized x: each weight tile is read once, from memory, for all rows of x
-    if (!silu_mul) {
-      at::parallel_for(0, NB, 1, [&](int64_t nb_begin, int64_t nb_end) {
-        configure_full_tiles(kTilesUsed);
-        alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
-        for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-          const char* pf = nb + kPrefetchBlocks < nb_end
-                               ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems) : nullptr;
-          for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles)
-            group(t0, m_tiles, nb, t0 == 0 ? pf : nullptr, acc);  // weights are fetched on the first pass only
-        }
-        _tile_release();
-      });
-      return y;
-    }
-    // the same over gate/up pairs, so both halves of an output block meet in one thread
-    at::parallel_for(0, NB / 2, 1, [&](int64_t p_begin, int64_t p_end) {
+    at::parallel_for(0, units, 1, [&](int64_t u_begin, int64_t u_end) {
       configure_full_tiles(kTilesUsed);
-      alignas(64) float gate[kGroupTiles][kTileRows * kTileN], up[kGroupTiles][kTileRows * kTileN];
-      const int64_t nb_end = 2 * p_end;
-      auto prefetch_for = [&](int64_t nb) {
-        return nb + kPrefetchBlocks < nb_end ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems)
-                                             : nullptr;
-      };
-      for (int64_t p = p_begin; p < p_end; ++p)
+      alignas(64) float acc[2][kGroupTiles][kTileRows * kTileN];
+      const int64_t nb_end = u_end * unit_blocks;
+      for (int64_t u = u_begin; u < u_end; ++u)
         for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles) {
-          const int tiles = compute_group(t0, m_tiles, 2 * p, t0 == 0 ? prefetch_for(2 * p) : nullptr, gate);
-          compute_group(t0, m_tiles, 2 * p + 1, t0 == 0 ? prefetch_for(2 * p + 1) : nullptr, up);
-          for (int t = 0; t < tiles; ++t) store_pair(gate[t], up[t], t0 + t, p);
+          int tiles = 0;
+          for (int64_t i = 0; i < unit_blocks; ++i) {
+            const int64_t nb = u * unit_blocks + i;
+            // weights are fetched on the first pass only, a few blocks ahead
+            const char* pf = t0 == 0 && nb + kPrefetchBlocks < nb_end
+                                 ? reinterpret_cast<const char*>(wp + (nb + kPrefetchBlocks) * block_elems) : nullptr;
+            tiles = compute_group(t0, m_tiles, nb, pf, acc[i]);
+          }
+          for (int t = 0; t < tiles; ++t) {
+            if (silu_mul) store_pair(acc[0][t], acc[1][t], t0 + t, u);
+            else store_tile(acc[0][t], t0 + t, u);
+          }
         }
       _tile_release();
     });
     return y;
   }
   // larger x: panels of kPanelTiles A tiles stay in L2 while this thread's column blocks
-  // pass over them in pairs, 32 rows at a time (column_pair's 2×2 grid of C tiles); with
-  // silu_mul a pair is a gate block and its up block, so threads split at pair boundaries
-  const int64_t pair_grain = silu_mul ? 1 : 2;
-  const int64_t units = silu_mul ? NB / 2 : NB;
-  at::parallel_for(0, units, pair_grain, [&](int64_t u_begin, int64_t u_end) {
-    const int64_t nb_begin = silu_mul ? 2 * u_begin : u_begin, nb_end = silu_mul ? 2 * u_end : u_end;
+  // pass over them in pairs, 32 rows at a time (column_pair's 2×2 grid of C tiles; with
+  // silu_mul each pair is one unit)
+  at::parallel_for(0, units, 2 / unit_blocks, [&](int64_t u_begin, int64_t u_end) {
+    const int64_t nb_begin = u_begin * unit_blocks, nb_end = u_end * unit_blocks;
     configure_full_tiles(kTilesUsed);
     alignas(64) float acc[kGroupTiles][kTileRows * kTileN];
     for (int64_t p0 = 0; p0 < m_tiles; p0 += kPanelTiles) {
