@@ -219,13 +219,14 @@ def test_argmax_rows_matches_torch_with_ties(dtype):
 @needs_amx
 @pytest.mark.parametrize(
     "rows, n, k",
-    [(9, 16, 32), (17, 48, 96), (64, 960, 576), (100, 576, 1536), (129, 48, 96), (300, 80, 64), (600, 64, 64)],
+    [(9, 16, 32), (17, 48, 96), (64, 960, 576), (64, 48, 224), (100, 576, 1536), (129, 48, 96), (300, 80, 64), (600, 64, 64)],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_matches_torch(rows, n, k, with_bias):
     """Rows that are not a multiple of the 16-row tile, several 64-row groups, both loops
-    (up to 128 rows; panels of 256 with column blocks in pairs, an odd one left), bias: all
-    within bf16 rounding of the fp32 product."""
+    (up to 128 rows, depth in chunks, the last one shorter at k=224; panels of 256 with
+    column blocks in pairs, an odd one left), bias: all within bf16 rounding of the fp32
+    product."""
     g = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -238,15 +239,20 @@ def test_amx_linear_matches_torch(rows, n, k, with_bias):
 
 @needs_amx
 @pytest.mark.parametrize("rows", [9, 16, 37, 64, 128, 129, 300])
-@pytest.mark.parametrize("intermediate", [48, 64])  # an odd and an even count of 16-column blocks per half
-def test_amx_linear_silu_mul_is_the_unfused_pair_bitwise(rows, intermediate):
+@pytest.mark.parametrize(
+    "intermediate, k",
+    # an odd and an even count of 16-column blocks per half; then depth in chunks, with more
+    # gate/up pairs than one group of the decode-sized loop holds
+    [(48, 96), (64, 96), (304, 576)],
+)
+def test_amx_linear_silu_mul_is_the_unfused_pair_bitwise(rows, intermediate, k):
     """The fused gate/up kernel against amx_linear then silu_and_mul on the plain [gate; up]
     pack: both loops, rows off the tile grid, odd A tiles in a panel — bit for bit."""
     from kvserve.model.layers import interleave_gate_up
 
     g = torch.Generator().manual_seed(rows + intermediate)
-    gate_up = (torch.randn(2 * intermediate, 96, generator=g) * 0.2).bfloat16()
-    x = torch.randn(rows, 96, generator=g).bfloat16()
+    gate_up = (torch.randn(2 * intermediate, k, generator=g) * 0.2).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     expected = ops.silu_and_mul(ops.amx_linear(x, ops.amx_pack_weight(gate_up), None))
     got = ops.amx_linear_silu_mul(x, ops.amx_pack_weight(interleave_gate_up(gate_up)))
     assert got.shape == (rows, intermediate)
