@@ -259,6 +259,34 @@ def test_amx_linear_silu_mul_is_the_unfused_pair_bitwise(rows, intermediate, k):
     assert torch.equal(got, expected)
 
 
+@needs_amx
+@pytest.mark.parametrize("rows, n, k", [(9, 16, 32), (37, 480, 224), (64, 4096, 576), (128, 2048, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_argmax_is_argmax_of_the_product_bitwise(rows, n, k, with_bias):
+    """The greedy LM head: the argmax epilogue against argmax_rows of amx_linear's bf16
+    output, with a tie at the maximum between a column in the first thread's blocks and one
+    in the last's (the lower index must win), rows off the tile grid, two row groups."""
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    w[5] = w[n - 3] = (x[0].float() * 2).bfloat16()  # row 0's largest output, twice
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    if b is not None:
+        b[5] = b[n - 3] = 0
+    packed = ops.amx_pack_weight(w)
+    expected = ops.argmax_rows(ops.amx_linear(x, packed, b))
+    got = ops.amx_linear_argmax(x, packed, b)
+    assert got.dtype == torch.int64 and torch.equal(got, expected)
+    assert int(got[0]) == 5
+
+
+@needs_amx
+def test_amx_linear_argmax_refuses_more_rows_than_its_loop_takes():
+    packed = ops.amx_pack_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="at most 128 rows"):
+        ops.amx_linear_argmax(torch.zeros(129, 32, dtype=torch.bfloat16), packed)
+
+
 def test_interleave_gate_up_alternates_16_row_blocks():
     from kvserve.model.layers import interleave_gate_up
 

@@ -40,6 +40,19 @@ def test_top_k_1_equals_greedy(llm):
     assert top1 == greedy
 
 
+def test_greedy_from_the_lm_head_argmax_equals_greedy_from_logits(tiny_llama):
+    """A plain-greedy step gets its tokens from the LM head's argmax epilogue (bf16, AMX,
+    9-128 rows), writing no logits; asking for logprobs takes the logits path. Same tokens."""
+    llm = LLM(tiny_llama, dtype="bfloat16", device="cpu", kv_cache_memory="8MiB", block_size=4)
+    model = llm.engine.runner.model
+    if model.lm_head.amx_packed is not None:  # the fused path exists here: make sure it is taken
+        assert model.greedy_tokens(torch.randn(12, model.arch.hidden_size).bfloat16()) is not None
+    prompts = [f"request {i} asks about {'foxes' if i % 2 else 'the capital of France'}" for i in range(12)]
+    fused = _texts(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    from_logits = _texts(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)))
+    assert fused == from_logits and all(len(t) == 8 for t in fused)
+
+
 def test_logprobs_hold_sampled_and_top_n(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
     assert len(out.logprobs) == 4

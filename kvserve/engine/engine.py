@@ -211,8 +211,13 @@ class LLMEngine:
         if plan.is_empty:
             return []
         batch = self.runner.prepare(plan.scheduled, {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in plan.scheduled})
-        logits = self.runner.execute(batch)
-        sampled = self.sampler(logits, [s.request for s in batch.sampling]) if batch.sampling else None
+        sampling = [s.request for s in batch.sampling]
+        if sampling and self.sampler.plain_greedy(sampling):
+            # argmax only: the LM head takes it as it computes, where it can (no logits written)
+            sampled = self.sampler.greedy_output(self.runner.execute_greedy(batch, self.sampler.argmax))
+        else:
+            logits = self.runner.execute(batch)
+            sampled = self.sampler(logits, sampling) if sampling else None
         return self._update(plan.scheduled, batch.sampling, sampled)
 
     def _update(self, scheduled, sampling, sampled) -> list[RequestOutput]:

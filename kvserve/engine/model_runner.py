@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 import torch
 
@@ -137,3 +138,14 @@ class ModelRunner:
         if not batch.sampling:
             return torch.empty((0, self.model.arch.vocab_size))
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).cpu()
+
+    def execute_greedy(self, batch: StepBatch, argmax: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
+        """One forward pass; the greedy token of each sampling row. The LM head takes the
+        argmax as it computes where it can, writing no logits; elsewhere `argmax` (the
+        sampler's) takes it from the logits, so both ways give the same tokens."""
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        selected = hidden.index_select(0, batch.logits_indices)
+        ids = self.model.greedy_tokens(selected)
+        if ids is None:
+            ids = argmax(self.model.compute_logits(selected).cpu())
+        return ids.tolist()

@@ -97,26 +97,39 @@ class Sampler:
     def __init__(self, ops=None):
         self.ops = ops  # the CPU kernels' argmax, when loaded
 
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax, ties to the lowest index."""
         if self.ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
             return self.ops.argmax_rows(logits.contiguous())
         return logits.argmax(dim=-1)
+
+    @staticmethod
+    def plain_greedy(requests: list[Request]) -> bool:
+        """Every row's token is the argmax of its raw logits: greedy, no logprobs, nothing
+        that edits the logits first. Such a step needs no logits at all, only the argmax
+        (the engine then asks the model for it directly)."""
+        return all(
+            r.sampling_params.greedy and r.sampling_params.logprobs is None and not _needs_processing(r) for r in requests
+        )
+
+    @staticmethod
+    def greedy_output(token_ids: list[int]) -> SamplerOutput:
+        return SamplerOutput(token_ids, [None] * len(token_ids), [None] * len(token_ids))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [R, V] in the model's dtype, one row per request that samples this step."""
         num_logprobs = [r.sampling_params.logprobs for r in requests]
         want_logprobs = any(n is not None for n in num_logprobs)
-        if not want_logprobs and all(r.sampling_params.greedy and not _needs_processing(r) for r in requests):
+        if self.plain_greedy(requests):
             # the common greedy case: no copy, no fp32 conversion of the whole vocabulary
-            ids = self._argmax(logits).tolist()
-            return SamplerOutput(ids, [None] * len(ids), [None] * len(ids))
+            return self.greedy_output(self.argmax(logits).tolist())
 
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         _apply_bias_and_min_tokens(logits, requests)
         _apply_penalties(logits, requests)
 
-        token_ids = self._argmax(logits)
+        token_ids = self.argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
             sub = [requests[i] for i in random_rows]

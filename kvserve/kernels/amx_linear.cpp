@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <climits>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -160,14 +162,57 @@ torch::Tensor amx_pack_weight(torch::Tensor w) {
 
 namespace {
 
-// y = x·Wᵀ (+ bias) with W packed by amx_pack_weight; with `silu_mul`, W is the gate and up
+// (value a, index ia) beats (b, ib): larger, or as large with a lower index; NaN never wins
+// (as in argmax_rows, whose running max compares with >, false for NaN).
+inline bool better(float a, int64_t ia, float b, int64_t ib) { return a > b || (a == b && ia < ib); }
+
+// One thread's running argmax per row of x over the column blocks it computes: per lane the
+// best bf16-rounded value so far and its column (a strictly greater value replaces it, so
+// a tie keeps the earlier, lower column; blocks arrive in increasing order).
+struct RowArgmax {
+  std::vector<__m512> value;
+  std::vector<__m512i> index;
+  explicit RowArgmax(int64_t rows) : value(rows, _mm512_set1_ps(-INFINITY)), index(rows, _mm512_setzero_si512()) {}
+  // the C tile of rows [m0, m0 + 16) × columns [n0, n0 + 16), + bias
+  void take(const float* acc, int64_t m0, const at::BFloat16* bias, int64_t n0) {
+    const __m512i column = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(n0)),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
+    const int64_t rows = std::min<int64_t>(kTileRows, static_cast<int64_t>(value.size()) - m0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(acc + r * kTileN), b));
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, value[m0 + r], _CMP_GT_OQ);
+      value[m0 + r] = _mm512_mask_mov_ps(value[m0 + r], gt, v);
+      index[m0 + r] = _mm512_mask_mov_epi32(index[m0 + r], gt, column);
+    }
+  }
+  // lanes reduced, then merged into this thread's slot
+  void fold(float* slot_value, int64_t* slot_index) const {
+    for (size_t m = 0; m < value.size(); ++m) {
+      const float v = _mm512_reduce_max_ps(value[m]);
+      const __mmask16 at_max = _mm512_cmp_ps_mask(value[m], _mm512_set1_ps(v), _CMP_EQ_OQ);
+      // all lanes -inf (or NaN): column 0, as argmax_rows gives
+      const int64_t i = at_max ? _mm512_mask_reduce_min_epi32(at_max, index[m]) : 0;
+      if (better(v, i, slot_value[m], slot_index[m])) slot_value[m] = v, slot_index[m] = i;
+    }
+  }
+};
+
+// What leaves the accumulators: y itself; silu(gate)·up; or only each row's argmax.
+enum class Epilogue { kStore, kSiluMul, kArgmax };
+
+// y = x·Wᵀ (+ bias) with W packed by amx_pack_weight. With kSiluMul, W is the gate and up
 // projections with their 16-column blocks interleaved (gate block p, then up block p: see
 // interleave_gate_up in kvserve/model/layers.py) and y = silu(gate) · up, [M, N/2]. Both
 // halves of a pair are rounded to bf16 first, as the unfused path stores them, so the
 // result is bitwise that of amx_linear followed by silu_and_mul — without writing the
 // [M, N] gate/up product and reading it back, and without the separate pass over it.
+// With kArgmax (decode-sized x only), the result is each row's argmax over the bf16-rounded
+// outputs, int64 [M], lowest index on ties: bitwise argmax_rows(amx_linear(x)), without
+// writing the [M, N] product (for the LM head, 6 MiB of logits per 64-row step).
 torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                      bool silu_mul) {
+                      Epilogue epilogue) {
+  const bool silu_mul = epilogue == Epilogue::kSiluMul, argmax = epilogue == Epilogue::kArgmax;
   TORCH_CHECK(amx_available(), "amx_linear: AMX-BF16 is not available on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear: bf16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTileRows && packed.size(3) == kTileK, "amx_linear: packed layout");
@@ -176,7 +221,8 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
   TORCH_CHECK(!bias || (bias->numel() == N && bias->scalar_type() == at::kBFloat16), "amx_linear: bias");
   TORCH_CHECK(!silu_mul || (NB % 2 == 0 && !bias), "amx_linear_silu_mul: gate/up block pairs, no bias");
   const int64_t N_out = silu_mul ? N / 2 : N;
-  auto y = torch::empty({M, N_out}, x.options());
+  TORCH_CHECK(!argmax || M <= kSmallTiles * kTileRows, "amx_linear_argmax: at most ", kSmallTiles * kTileRows, " rows");
+  auto y = argmax ? torch::empty({M}, x.options().dtype(at::kLong)) : torch::empty({M, N_out}, x.options());
   if (M == 0) return y;
   // A tiles read 16 whole rows: pad x to a multiple of 16 rows (zeros) when it is not one
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
@@ -189,7 +235,7 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
   const auto* wp = packed.data_ptr<at::BFloat16>();
   const torch::Tensor bias_c = bias ? bias->contiguous() : torch::Tensor();  // kept alive for bp
   const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
-  auto* yp = y.data_ptr<at::BFloat16>();
+  auto* yp = argmax ? nullptr : y.data_ptr<at::BFloat16>();
   const int64_t x_stride = K * 2, block_elems = KB * kTileRows * kTileK, m_tiles = Mp / kTileRows;
   // one C tile (16 rows of x × one column block) out to y: + bias in fp32, rounded to bf16
   auto store_tile = [&](const float* acc, int64_t m_tile, int64_t nb) {
@@ -241,8 +287,14 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
     // decode linears at 64 rows: 21.1 -> 18.2 ms; the LM head 5.0 -> 3.9 ms.
     const int64_t row_group = std::min<int64_t>(kGroupTiles, m_tiles);
     const int64_t chunks = (KB * row_group + kChunkATiles - 1) / kChunkATiles, kc = (KB + chunks - 1) / chunks;
+    // argmax: each thread keeps per row and lane the best value and its column, then folds
+    // them into its slot of best_value / best_index; the slots are merged at the end
+    const int64_t slots = argmax ? at::get_num_threads() : 0;
+    std::vector<float> best_value(slots * M, -INFINITY);
+    std::vector<int64_t> best_index(slots * M, INT64_MAX);
     at::parallel_for(0, units, 1, [&](int64_t u_begin, int64_t u_end) {
       configure_full_tiles(kTilesUsed);
+      RowArgmax row_argmax(argmax ? M : 0);
       thread_local std::vector<float> part_store;
       const int64_t tile_floats = kTileRows * kTileN, group_blocks_max = kGroupUnits * unit_blocks;
       part_store.resize(group_blocks_max * kGroupTiles * tile_floats + 16);
@@ -275,6 +327,7 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
               const int64_t u = (nb0 + j) / unit_blocks;
               for (int t = 0; t < tiles; ++t) {
                 if (silu_mul) store_pair(part[j - 1][t], part[j][t], t0 + t, u);
+                else if (argmax) row_argmax.take(part[j][t], (t0 + t) * kTileRows, bp ? bp + u * kTileN : nullptr, u * kTileN);
                 else store_tile(part[j][t], t0 + t, u);
               }
             }
@@ -282,7 +335,21 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
         }
       }
       _tile_release();
+      if (argmax) {
+        const int64_t slot = at::get_thread_num();
+        row_argmax.fold(best_value.data() + slot * M, best_index.data() + slot * M);
+      }
     });
+    if (argmax) {
+      auto* out = y.data_ptr<int64_t>();
+      for (int64_t m = 0; m < M; ++m) {
+        float v = -INFINITY;
+        int64_t i = 0;
+        for (int64_t t = 0; t < slots; ++t)
+          if (better(best_value[t * M + m], best_index[t * M + m], v, i)) v = best_value[t * M + m], i = best_index[t * M + m];
+        out[m] = i;
+      }
+    }
     return y;
   }
   // larger x: panels of kPanelTiles A tiles stay in L2 while this thread's column blocks
@@ -332,10 +399,16 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
 
 // x [M, K] bf16, packed from amx_pack_weight, bias [N] or empty → y [M, N] bf16.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
-  return amx_run(x, packed, bias, false);
+  return amx_run(x, packed, bias, Epilogue::kStore);
 }
 
 // x [M, K], the gate/up projection packed with its blocks interleaved → silu(gate) · up [M, N/2]
 torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed) {
-  return amx_run(x, packed, c10::nullopt, true);
+  return amx_run(x, packed, c10::nullopt, Epilogue::kSiluMul);
+}
+
+// x [M, K] (M <= 128), packed from amx_pack_weight, bias [N] or empty → argmax over each
+// row of x·Wᵀ (+ bias) rounded to bf16, int64 [M]: bitwise argmax_rows(amx_linear(x, ...)).
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  return amx_run(x, packed, bias, Epilogue::kArgmax);
 }

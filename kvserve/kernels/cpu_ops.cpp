@@ -831,6 +831,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed);
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 
 namespace {
 
@@ -898,6 +899,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-column blocks interleaved");
   m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) on AMX tiles", py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none());
+  m.def("amx_linear_argmax", &amx_linear_argmax,
+        "argmax over each row of x @ w.T (+ bias) rounded to bf16, without writing the product (at most 128 rows)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers, "all decoder layers of a small decode batch, in C++");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, ties to the lowest index");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after residual += x (in place)",

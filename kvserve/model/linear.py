@@ -26,6 +26,8 @@ GEMV_MAX_ROWS = 8
 # measured on SmolLM2's projection shapes, 30 layers, hot cache: AMX 71 / 137 / 292 / 618 ms
 # against F.linear's 82 / 141 / 358 / 540 ms at 256 / 512 / 1024 / 2048 rows
 AMX_MAX_ROWS = 1024
+# the AMX kernel's argmax epilogue (the greedy LM head) serves its decode-sized loop only
+AMX_ARGMAX_MAX_ROWS = 128
 # oneDNN picks its blocking from a row-count hint; any row count works with the result
 _PACK_HINT_ROWS = 2048
 
@@ -65,3 +67,17 @@ class Linear(nn.Module):
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def fused_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax over this projection's outputs, taken as the AMX kernel computes
+        them, so the [rows, N] product is never written (the LM head of a greedy decode step:
+        64 rows × 49,152 bf16 logits). Bitwise the argmax of forward(x): same rounding, lowest
+        index on ties. None where forward(x) would not use the AMX kernel: take its argmax."""
+        rows = x.shape[0]
+        if (
+            self.amx_packed is not None
+            and x.dtype == torch.bfloat16
+            and GEMV_MAX_ROWS < rows <= min(AMX_MAX_ROWS, AMX_ARGMAX_MAX_ROWS)
+        ):
+            return self.ops.amx_linear_argmax(x, self.amx_packed, self.bias)
+        return None

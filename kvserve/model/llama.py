@@ -188,6 +188,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits (model dtype) for the selected positions only; the LM head is the largest matmul."""
         return self.lm_head(self.norm(hidden))
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of compute_logits(hidden), int64, taken inside the LM head where its
+        kernel can (no logits written); None elsewhere."""
+        return self.lm_head.fused_argmax(self.norm(hidden))
+
     def prepack(self) -> int:
         """Pack every projection for AMX or oneDNN (CPU, bf16); returns how many were packed."""
         self._fused_weights, self._fused_rows = None, None
