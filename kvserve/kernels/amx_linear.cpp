@@ -19,8 +19,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -35,8 +35,9 @@ constexpr int kTileN = 16;       // output columns per column block
 constexpr int kGroupTiles = 4;   // A tiles (64 rows of x) per pass over a weight tile
 constexpr int64_t kSmallTiles = 8;   // up to 128 rows of x: the decode-shaped loop
 constexpr int64_t kPanelTiles = 16;  // 256 rows of x per panel in the larger-x loop
-// Column blocks whose weights are prefetched (into L2) while one computes. Measured in the
-// 64-request decode step: no prefetch ~10% slower; 1, 2 or 4 blocks, to L1 or L2, within noise.
+// Column blocks (with depth chunks: chunk runs) whose weights are prefetched into L2 while
+// one computes. Measured in the 64-request decode step: no prefetch ~10% slower (12-27% with
+// depth chunks); 1 to 16 ahead, with the T0, T1 or T2 hint, within noise.
 constexpr int kPrefetchBlocks = 2;
 // The decode-sized loop cuts depth into chunks whose A tiles (1 KiB each) number at most
 // kChunkATiles, so they stay in L1 (48 KiB) beside the weight tiles streaming through; a
@@ -337,6 +338,7 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
       _tile_release();
       if (argmax) {
         const int64_t slot = at::get_thread_num();
+        TORCH_CHECK(slot < slots, "amx_linear_argmax: thread ", slot, " of ", slots);
         row_argmax.fold(best_value.data() + slot * M, best_index.data() + slot * M);
       }
     });
