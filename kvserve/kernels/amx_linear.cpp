@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,11 +43,11 @@ constexpr int64_t kPanelTiles = 16;  // 256 rows of x per panel in the larger-x 
 constexpr int kPrefetchBlocks = 2;
 // The decode-sized loop cuts depth into chunks whose A tiles (1 KiB each) number at most
 // kChunkATiles, so they stay in L1 (48 KiB) beside the weight tiles streaming through; a
-// group of kGroupUnits units goes through one chunk after another, its partial C tiles
-// (4 KiB per block) parked in L1/L2 between chunks. On the 30 layers' 64-row decode
-// linears, from memory: 24 beat 16 and 36 A tiles; groups of 4 and 16 units were within
-// noise, 64 slower. Storing the weights chunk-major, so that each thread's reads form one
-// sequential stream, was no faster.
+// group of units (at most kGroupUnits) goes through one chunk after another, its partial
+// C tiles (4 KiB per block) parked in L1/L2 between chunks. On the 30 layers' 64-row
+// decode linears, from memory: 24 beat 16 and 36 A tiles; groups of 4 and 16 units were
+// within noise, 64 slower. Storing the weights chunk-major, so that each thread's reads
+// form one sequential stream, was no faster.
 constexpr int64_t kChunkATiles = 24;
 constexpr int64_t kGroupUnits = 16;
 
@@ -293,35 +295,50 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
     const int64_t slots = argmax ? at::get_num_threads() : 0;
     std::vector<float> best_value(slots * M, -INFINITY);
     std::vector<int64_t> best_index(slots * M, INT64_MAX);
-    at::parallel_for(0, units, 1, [&](int64_t u_begin, int64_t u_end) {
+    // Work items of group_units units (about 1/16 of the call's) go to whichever thread asks
+    // next. With a static split, one thread waited at the end of each decode linear for
+    // 6-22% of the call: the two cores read memory at different speeds, more so when the
+    // host is busy (the threads start within 2-9 us of each other). Whole 64x128/128
+    // workload, alternating in one process on a loaded host: 9 rounds of 12 faster, ~5%
+    // on average; on a quiet one, the decode linears within noise. Each thread reserves
+    // its next item as it starts one, so its prefetch runs on into the item it does next.
+    const int64_t threads = at::get_num_threads();
+    const int64_t group_units = std::clamp<int64_t>((units + 8 * threads - 1) / (8 * threads), 1, kGroupUnits);
+    const int64_t items = (units + group_units - 1) / group_units;
+    std::atomic<int64_t> next_item{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       configure_full_tiles(kTilesUsed);
       RowArgmax row_argmax(argmax ? M : 0);
       thread_local std::vector<float> part_store;
-      const int64_t tile_floats = kTileRows * kTileN, group_blocks_max = kGroupUnits * unit_blocks;
-      part_store.resize(group_blocks_max * kGroupTiles * tile_floats + 16);
+      const int64_t tile_floats = kTileRows * kTileN, group_blocks = group_units * unit_blocks;
+      part_store.resize(group_blocks * kGroupTiles * tile_floats + 16);
       auto* part = reinterpret_cast<float (*)[kGroupTiles][kTileRows * kTileN]>(
           (reinterpret_cast<uintptr_t>(part_store.data()) + 63) & ~uintptr_t(63));
-      const int64_t nb_begin = u_begin * unit_blocks, nb_end = u_end * unit_blocks;
-      // the weights of step s (chunk s / blocks, block s % blocks) of the group at nb0:
-      // where the prefetch a few steps ahead of the first row group points
-      auto step_weights = [&](int64_t nb0, int64_t s) -> const char* {
-        while (nb0 < nb_end) {
-          const int64_t blocks = std::min(group_blocks_max, nb_end - nb0);
-          if (s < chunks * blocks)
-            return reinterpret_cast<const char*>(wp + (nb0 + s % blocks) * block_elems + (s / blocks) * kc * kTileRows * kTileK);
+      auto item_blocks = [&](int64_t item) { return std::min(group_blocks, NB - item * group_blocks); };
+      // the weights of step s (chunk s / blocks, block s % blocks) of `item`, or past its end
+      // of `upcoming`: where the prefetch a few steps ahead of the first row group points
+      auto step_weights = [&](int64_t item, int64_t upcoming, int64_t s) -> const char* {
+        int64_t blocks = item_blocks(item);
+        if (s >= chunks * blocks) {
+          if (upcoming >= items) return nullptr;
           s -= chunks * blocks;
-          nb0 += blocks;
+          item = upcoming;
+          blocks = item_blocks(item);
+          if (s >= chunks * blocks) return nullptr;
         }
-        return nullptr;
+        const int64_t nb = item * group_blocks + s % blocks;
+        return reinterpret_cast<const char*>(wp + nb * block_elems + (s / blocks) * kc * kTileRows * kTileK);
       };
-      for (int64_t nb0 = nb_begin; nb0 < nb_end; nb0 += group_blocks_max) {
-        const int64_t blocks = std::min(group_blocks_max, nb_end - nb0);
+      int64_t item = next_item.fetch_add(1);
+      while (item < items) {
+        const int64_t upcoming = next_item.fetch_add(1);
+        const int64_t nb0 = item * group_blocks, blocks = item_blocks(item);
         for (int64_t t0 = 0; t0 < m_tiles; t0 += kGroupTiles) {
           for (int64_t c = 0; c < chunks; ++c) {
             const int64_t kb0 = c * kc, nkb = std::min(kc, KB - kb0);
             for (int64_t j = 0; j < blocks; ++j) {
               // weights come from memory on the first row group only
-              const char* pf = t0 == 0 ? step_weights(nb0, c * blocks + j + kPrefetchBlocks) : nullptr;
+              const char* pf = t0 == 0 ? step_weights(item, upcoming, c * blocks + j + kPrefetchBlocks) : nullptr;
               const int tiles = compute_group(t0, m_tiles, nb0 + j, pf, part[j], kb0, nkb, c > 0);
               if (c + 1 < chunks || (j + 1) % unit_blocks) continue;
               // the unit's last block has its sums: out to y
@@ -334,6 +351,7 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
             }
           }
         }
+        item = upcoming;
       }
       _tile_release();
       if (argmax) {
