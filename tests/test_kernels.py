@@ -264,8 +264,9 @@ def test_amx_linear_silu_mul_is_the_unfused_pair_bitwise(rows, intermediate, k):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_argmax_is_argmax_of_the_product_bitwise(rows, n, k, with_bias):
     """The greedy LM head: the argmax epilogue against argmax_rows of amx_linear's bf16
-    output, with a tie at the maximum between a column in the first thread's blocks and one
-    in the last's (the lower index must win), rows off the tile grid, two row groups."""
+    output, with a tie at the maximum between a column in the first group of blocks the
+    threads share out and one in the last group (the lower index must win), rows off the
+    tile grid, two row groups."""
     g = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
