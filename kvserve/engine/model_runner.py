@@ -144,8 +144,4 @@ class ModelRunner:
         argmax as it computes where it can, writing no logits; elsewhere `argmax` (the
         sampler's) takes it from the logits, so both ways give the same tokens."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        selected = hidden.index_select(0, batch.logits_indices)
-        ids = self.model.greedy_tokens(selected)
-        if ids is None:
-            ids = argmax(self.model.compute_logits(selected).cpu())
-        return ids.tolist()
+        return self.model.greedy_tokens(hidden.index_select(0, batch.logits_indices), argmax).tolist()

@@ -118,11 +118,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [R, V] in the model's dtype, one row per request that samples this step."""
-        num_logprobs = [r.sampling_params.logprobs for r in requests]
-        want_logprobs = any(n is not None for n in num_logprobs)
         if self.plain_greedy(requests):
             # the common greedy case: no copy, no fp32 conversion of the whole vocabulary
             return self.greedy_output(self.argmax(logits).tolist())
+        num_logprobs = [r.sampling_params.logprobs for r in requests]
+        want_logprobs = any(n is not None for n in num_logprobs)
 
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None

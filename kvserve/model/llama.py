@@ -7,6 +7,8 @@ hidden states of positions that will be sampled.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,10 +190,12 @@ class LlamaForCausalLM(nn.Module):
         """Logits (model dtype) for the selected positions only; the LM head is the largest matmul."""
         return self.lm_head(self.norm(hidden))
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The argmax of compute_logits(hidden), int64, taken inside the LM head where its
-        kernel can (no logits written); None elsewhere."""
-        return self.lm_head.fused_argmax(self.norm(hidden))
+    def greedy_tokens(self, hidden: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`argmax` of compute_logits(hidden), taken inside the LM head where its kernel can
+        (no logits written; bitwise the same result)."""
+        normed = self.norm(hidden)
+        ids = self.lm_head.fused_argmax(normed)
+        return ids if ids is not None else argmax(self.lm_head(normed))
 
     def prepack(self) -> int:
         """Pack every projection for AMX or oneDNN (CPU, bf16); returns how many were packed."""
