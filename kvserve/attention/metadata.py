@@ -50,7 +50,7 @@ class AttentionMetadata:
     _kernel_args: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the AMX prefill kernel reads (`ops.paged_prefill_attention`): every segment's
+        """What the prefill kernel reads (`ops.paged_prefill_attention`): every segment's
         context slots back to back (int64), and per segment (query_start, m, S0, offset of its
         slots) as an int64 [n, 4]. Built on the first layer's call and kept for the others."""
         if self._kernel_args is None:

@@ -86,7 +86,7 @@ def paged_attention(
     """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H].
 
     With the CPU kernels loaded, decodes read the block pool in place through the block
-    tables, and prompt tokens (bf16, AMX) through their slots; otherwise they gather and
+    tables, and prompt tokens (bf16) through their slots; otherwise they gather and
     call SDPA (the reference path).
     """
     if meta.num_decodes and not meta.prefills and ops is not None:
@@ -109,6 +109,7 @@ def paged_attention(
 
 
 def prefill_kernel_applies(ops, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """The AMX prefill kernel serves bf16 with head_dim % 32 == 0 on a CPU with AMX; anything
-    else takes prefill_attention, the reference it is tested against."""
-    return q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and k_pool.is_contiguous() and ops.amx_available()
+    """The prefill kernel (AMX tiles, or AVX512-BF16 where the CPU has no AMX) serves bf16
+    with head_dim % 32 == 0; anything else takes prefill_attention, the reference it is
+    tested against."""
+    return q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and k_pool.is_contiguous()

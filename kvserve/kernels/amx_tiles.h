@@ -9,6 +9,10 @@
 // (defined in amx_linear.cpp).
 bool amx_available();
 
+// amx_available() unless a test switched AMX attention off to check the AVX512-BF16 paths
+// of decode and prefill attention on the same machine (defined in cpu_ops.cpp).
+bool amx_attention_on();
+
 struct alignas(64) AmxTileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;

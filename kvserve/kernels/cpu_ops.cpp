@@ -21,9 +21,11 @@
 #include "amx_tiles.h"
 #include "vec_math.h"
 
-// Tests switch the AMX scores off to check both decode-attention paths on one machine.
+// Tests switch AMX attention off to check both paths of decode and prefill attention on
+// one machine.
 static bool amx_attention_enabled = true;
 void set_amx_attention(bool enabled) { amx_attention_enabled = enabled; }
+bool amx_attention_on() { return amx_attention_enabled && amx_available(); }
 
 
 namespace {
@@ -893,7 +895,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
-  m.def("set_amx_attention", &set_amx_attention, "use AMX for decode attention scores where available (default on)");
+  m.def("set_amx_attention", &set_amx_attention, "use AMX for decode and prefill attention where available (default on)");
   m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
   m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
         "silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-column blocks interleaved");

@@ -1,4 +1,5 @@
-// Causal attention for the prompt tokens of a step (bf16, AMX tiles), read from the paged
+// Causal attention for the prompt tokens of a step (bf16; AMX tiles, or AVX512-BF16 dot
+// products on CPUs without AMX), read from the paged
 // KV pool: each segment's m new queries attend to its S0 cached + m new positions, query
 // S0 + i seeing keys 0..S0 + i.
 //
@@ -108,14 +109,60 @@ void four_products(const uint16_t* a, int64_t a_step, int64_t a_stride, const ui
   if (group > 3) _tile_stored(3, out + 48, out_ld);
 }
 
+// four_products without AMX, on AVX512-BF16: each of the 16 kp rows of a packed B tile is
+// one vector of 16 columns' pairs, so a pair of A (two bf16, broadcast) times that row is
+// one VDPBF16PS, and the packed layouts serve both paths. Four A rows at a time keep 4·G
+// accumulators in registers (16 for G = 4) while B streams from L1/L2.
+template <int G>
+void vec_products_g(const uint16_t* a, int64_t a_step, int64_t a_stride, const uint32_t* b, int64_t b_step,
+                    int64_t b_next, int64_t steps, float* out, int64_t out_ld) {
+  constexpr int R = 4;
+  const auto* a_bytes = reinterpret_cast<const char*>(a);
+  for (int r0 = 0; r0 < kQueries; r0 += R) {
+    __m512 acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < G; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < steps; ++t) {
+      const uint32_t* bt = b + t * b_step;
+      const char* at = a_bytes + t * a_step * 2 + r0 * a_stride;
+      for (int kp = 0; kp < 16; ++kp) {
+        __m512bh bv[G];
+        for (int i = 0; i < G; ++i) bv[i] = (__m512bh)_mm512_loadu_si512(bt + i * b_next + kp * 16);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, at + r * a_stride + kp * 4, sizeof(pair));
+          const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+          for (int i = 0; i < G; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], av, bv[i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < G; ++i)
+        _mm512_storeu_ps(reinterpret_cast<float*>(reinterpret_cast<char*>(out) + (r0 + r) * out_ld) + 16 * i, acc[r][i]);
+  }
+}
+
+void vec_products(const uint16_t* a, int64_t a_step, int64_t a_stride, const uint32_t* b, int64_t b_step,
+                  int64_t b_next, int64_t steps, int64_t group, float* out, int64_t out_ld) {
+  switch (group) {
+    case 1: vec_products_g<1>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
+    case 2: vec_products_g<2>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
+    case 3: vec_products_g<3>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
+    default: vec_products_g<4>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
+  }
+}
+
+using ProductsFn = void (*)(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, int64_t, int64_t,
+                            float*, int64_t);
+
 // S[16][ld] (fp32) = Q tile rows · Kᵀ for key blocks [0, blocks), four blocks per pass over
 // Q's chunks. Q's chunk tiles come from `qa` (16 rows, `q_stride` bytes apart), the K tiles
 // from `kp` (packed by pack_keys: [block][chunk] tiles).
-void block_scores(const uint16_t* qa, int64_t q_stride, const uint32_t* kp, int64_t chunks, int64_t blocks,
-                  float* s, int64_t ld) {
+void block_scores(ProductsFn products, const uint16_t* qa, int64_t q_stride, const uint32_t* kp, int64_t chunks,
+                  int64_t blocks, float* s, int64_t ld) {
   for (int64_t j0 = 0; j0 < blocks; j0 += 4)
-    four_products(qa, 32, q_stride, kp + j0 * chunks * 256, 256, chunks * 256, chunks,
-                  std::min<int64_t>(4, blocks - j0), s + j0 * kKeyBlock, ld * 4);
+    products(qa, 32, q_stride, kp + j0 * chunks * 256, 256, chunks * 256, chunks,
+             std::min<int64_t>(4, blocks - j0), s + j0 * kKeyBlock, ld * 4);
 }
 
 // Row r of S: scale, softmax over its first `visible` keys, bf16 probabilities into p (zeros
@@ -152,10 +199,11 @@ void softmax_row(float* s, int64_t visible, int64_t width, float scale, uint16_t
 
 // O[16][D] (fp32) = P[16][32·pairs] · V for the packed V of one KV head ([pair block][chunk
 // of 16 features] tiles), four feature chunks per pass over the probabilities.
-void block_values(const uint16_t* p, int64_t p_ld, const uint32_t* vp, int64_t chunks, int64_t pairs, float* o) {
+void block_values(ProductsFn products, const uint16_t* p, int64_t p_ld, const uint32_t* vp, int64_t chunks,
+                  int64_t pairs, float* o) {
   for (int64_t c0 = 0; c0 < chunks; c0 += 4)
-    four_products(p, kKeyPair, p_ld * 2, vp + c0 * 256, chunks * 256, 256, pairs, std::min<int64_t>(4, chunks - c0),
-                  o + c0 * 16, chunks * 16 * 4);
+    products(p, kKeyPair, p_ld * 2, vp + c0 * 256, chunks * 256, 256, pairs, std::min<int64_t>(4, chunks - c0),
+             o + c0 * 16, chunks * 16 * 4);
 }
 
 }  // namespace
@@ -165,7 +213,6 @@ void block_values(const uint16_t* p, int64_t p_ld, const uint32_t* vp, int64_t c
 // segments: int64 [n, 4] = (query_start, num_new, num_cached, slot_offset).
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
                              torch::Tensor segments, double scale, torch::Tensor out) {
-  TORCH_CHECK(amx_available(), "paged_prefill_attention: AMX-BF16 is not available on this CPU");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && out.sizes() == q.sizes(), "paged_prefill_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
                   v_pool.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -217,8 +264,10 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tenso
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t row_elems = num_heads * D;
   const float fscale = static_cast<float>(scale);
+  const bool use_amx = amx_attention_on();
+  const ProductsFn products = use_amx ? four_products : vec_products;
   at::parallel_for(0, unit_start[n], 1, [&](int64_t b, int64_t e) {
-    configure_full_tiles(8);
+    if (use_amx) configure_full_tiles(8);
     std::vector<float> s_buf, o_buf(kQueries * D);
     std::vector<uint16_t> p_buf, q_buf(kQueries * D);
     int64_t i = std::upper_bound(unit_start.begin(), unit_start.end(), b) - unit_start.begin() - 1;
@@ -242,19 +291,19 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tenso
         q_stride = D * 2;
       }
       const PackedKV& kv = packed[i * num_kv + h / g];
-      block_scores(qa, q_stride, buf + kv.k_offset, k_chunks, (seen + kKeyBlock - 1) / kKeyBlock, s_buf.data(), width);
+      block_scores(products, qa, q_stride, buf + kv.k_offset, k_chunks, (seen + kKeyBlock - 1) / kKeyBlock, s_buf.data(), width);
       for (int64_t r = 0; r < kQueries; ++r) {
         uint16_t* p = p_buf.data() + r * width;
         if (r < rows) softmax_row(s_buf.data() + r * width, s0 + first + r + 1, width, fscale, p);
         else std::memset(p, 0, width * 2);
       }
-      block_values(p_buf.data(), width, buf + kv.v_offset, v_chunks, width / kKeyPair, o_buf.data());
+      block_values(products, p_buf.data(), width, buf + kv.v_offset, v_chunks, width / kKeyPair, o_buf.data());
       for (int64_t r = 0; r < rows; ++r) {
         at::BFloat16* dst = op + (q0 + first + r) * row_elems + h * D;
         for (int64_t d = 0; d < D; d += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o_buf.data() + r * D + d)));
       }
     }
-    _tile_release();
+    if (use_amx) _tile_release();
   });
 }
