@@ -149,24 +149,9 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
 namespace {
 
 constexpr int64_t kMaxG = 16;
-constexpr int64_t kPrefetchAhead = 8;  // positions (measured: 8 best of 0–64, by ~10%)
 
-// Dot products of one query head (pre-loaded) with one K row, as 16 fp32 partial sums.
-// bf16: pairs of bf16 products accumulated in fp32 by dpbf16 (exact products); fp32: FMAs.
-struct QueryBF16 {
-  __m512bh v[4];  // head_dim / 32 chunks
-  int n;
-  void load(const at::BFloat16* q, int64_t head_dim) {
-    n = static_cast<int>(head_dim / 32);
-    for (int c = 0; c < n; ++c) v[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
-  }
-  __m512 dot(const at::BFloat16* k) const {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < n; ++c) acc = _mm512_dpbf16_ps(acc, v[c], (__m512bh)_mm512_loadu_si512(k + c * 32));
-    return acc;
-  }
-};
-
+// Dot products of one query head (pre-loaded) with one K row, as 16 fp32 partial sums
+// (fp32 pools; bf16 takes vec_scores or amx_scores).
 struct QueryF32 {
   __m512 v[8];  // head_dim / 16 chunks
   int n;
@@ -181,8 +166,6 @@ struct QueryF32 {
   }
 };
 
-template <typename T>
-using QueryFor = std::conditional_t<std::is_same_v<T, float>, QueryF32, QueryBF16>;
 
 // acc[j] += Σ_s p_j[s] · V[s] over the S positions, for the g query heads of one KV head.
 inline void accumulate_values(const float* const* v_rows, int64_t off, const float* scores, int64_t S, int64_t g,
@@ -204,22 +187,6 @@ inline void add_deinterleaved(__m512* acc, __m512 lo, __m512 hi) {
   const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   acc[0] = _mm512_add_ps(acc[0], _mm512_permutex2var_ps(lo, to_lo, hi));
   acc[1] = _mm512_add_ps(acc[1], _mm512_permutex2var_ps(lo, to_hi, hi));
-}
-
-// The g heads' probabilities rounded to bf16 once, 16 at a time, into rows of `ld` (zero
-// past S) for the AVX512 V pass: rounding each pair in scalar code cost as much as the
-// whole pass. (The AMX path makes its bf16 probabilities in exp_to_bf16.)
-inline uint16_t* probabilities_bf16(const float* scores, int64_t S, int64_t g, int64_t ld) {
-  thread_local std::vector<uint16_t> pbf;
-  pbf.resize(g * ld);
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t s0 = 0; s0 < ld; s0 += 16) {
-      const int64_t live_n = std::max<int64_t>(0, std::min<int64_t>(16, S - s0));
-      const __mmask16 live = live_n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live_n) - 1);
-      const __m512 p = _mm512_maskz_loadu_ps(live, scores + j * S + s0);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf.data() + j * ld + s0), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-  return pbf.data();
 }
 
 // The pair loop for up to G query heads and C chunks of 32 features, with G and C known at
@@ -264,13 +231,12 @@ void accumulate_pairs(const at::BFloat16* const* v_rows, int64_t off, const uint
 
 // bf16: two positions per step with dpbf16 (P in bf16, as FlashAttention feeds its PV
 // product): the V rows of positions s and s+1 are interleaved so each fp32 lane d
-// accumulates p[s]·V[s][d] + p[s+1]·V[s+1][d] in one instruction.
-inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, const float* scores, int64_t S,
-                              int64_t g, int64_t hv, __m512 (*acc)[8]) {
+// accumulates p[s]·V[s][d] + p[s+1]·V[s+1][d] in one instruction. `pbf` holds the g heads'
+// bf16 probabilities in rows of S_pad (from exp_to_bf16), so a pair (p[s], p[s+1]) is one
+// 32-bit broadcast.
+inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, const uint16_t* pbf, int64_t S_pad,
+                              int64_t S, int64_t g, int64_t hv, __m512 (*acc)[8]) {
   const int64_t chunks = hv / 2;  // 32 bf16 per chunk
-  // a pair (p[s], p[s+1]) of the bf16 probabilities is then one 32-bit broadcast
-  const int64_t S_pad = (S + 15) / 16 * 16;
-  const uint16_t* pbf = probabilities_bf16(scores, S, g, S_pad);
   const int64_t pairs_end = S / 2 * 2;
   // Heads in groups small enough for the accumulators to fit the 32 vector registers, of a
   // size that divides g where one does: a group's unused heads still cost their dpbf16s,
@@ -303,13 +269,58 @@ inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, co
       default: TORCH_CHECK(false, "accumulate_values: no kernel for ", chunks, " chunks in groups of ", group);
     }
   }
-  if (pairs_end < S) {  // an odd last position, in fp32
+  if (pairs_end < S) {  // an odd last position, its bf16 probability times V in fp32
     const at::BFloat16* vrow = v_rows[pairs_end] + off;
     for (int64_t d = 0; d < hv; ++d) {
       const __m512 v = load16(vrow + d * 16);
-      for (int64_t j = 0; j < g; ++j)
-        acc[j][d] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * S + pairs_end]), v, acc[j][d]);
+      for (int64_t j = 0; j < g; ++j) {
+        const float pj = static_cast<float>(c10::bit_cast<at::BFloat16>(pbf[j * S_pad + pairs_end]));
+        acc[j][d] = _mm512_fmadd_ps(_mm512_set1_ps(pj), v, acc[j][d]);
+      }
     }
+  }
+}
+
+// QKᵀ without AMX (bf16), for each query head 16 positions at a time: C chunks of 32
+// features known at compile time, so the 16 partial-sum vectors stay in registers for
+// transpose_sum16 (with a runtime chunk count they went through the stack, and this loop
+// took ~45% of the kernel's samples on a Zen 4). Same contract as amx_scores: sc[j·S + s]
+// = scale·q_j·k_s, row_max[j] for the softmax, `hook` after each block of the first head.
+template <int C, typename Hook>
+void vec_scores(const at::BFloat16* const* k_rows, int64_t off, int64_t S, int64_t g, const at::BFloat16* q,
+                int64_t head_dim, float scale, float* sc, __m512* row_max, Hook&& hook) {
+  const int64_t s_vec = S / 16 * 16;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < g; ++j) {
+    __m512bh qv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + j * head_dim + c * 32);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    float* out = sc + j * S;
+    for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
+      if (j == 0) hook();
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int k = 0; k < 16; ++k) {
+        const at::BFloat16* row = k_rows[s0 + k] + off;
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(row));
+#pragma GCC unroll 4
+        for (int c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(row + c * 32));
+        dots[slot16(k)] = acc;
+      }
+      const __m512 v = _mm512_mul_ps(transpose_sum16(dots), scale_v);
+      _mm512_storeu_ps(out + s0, v);
+      mx = _mm512_max_ps(mx, v);
+    }
+    if (s_vec < S && j == 0) hook();
+    for (int64_t s = s_vec; s < S; ++s) {
+      const at::BFloat16* row = k_rows[s] + off;
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(row + c * 32));
+      out[s] = _mm512_reduce_add_ps(acc) * scale;
+      mx = _mm512_max_ps(mx, _mm512_set1_ps(out[s]));
+    }
+    row_max[j] = mx;
   }
 }
 
@@ -478,7 +489,6 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> k_rows, v_rows, next_k_rows, next_v_rows;
-    QueryFor<T> qh[kMaxG];
     __m512 dots[16];
     alignas(64) uint16_t qb[4 * 512];  // the query heads' B tiles (AMX path)
     if (use_amx) configure_full_tiles(6);  // 0 = C, 1 = A, 2..5 = B
@@ -506,7 +516,6 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
       else next_k_rows.clear(), next_v_rows.clear();
       const int64_t S_next = static_cast<int64_t>(next_k_rows.size());
       scores.resize(g * S);
-      const int64_t s_vec = S / 16 * 16;
       // Blocks sit anywhere in the pool, so the hardware prefetcher restarts at each one;
       // pull this request's K and V rows (all KV heads) into L2 ahead of the first pass.
       const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
@@ -514,40 +523,38 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
         for (int64_t byte = 0; byte < row_bytes; byte += 64)
           _mm_prefetch(reinterpret_cast<const char*>(r) + byte, _MM_HINT_T1);
       };
-      if (b == begin)
-        for (int64_t s = 0; s < std::min<int64_t>(S, kPrefetchAhead); ++s) {
+      if (b == begin)  // the thread's first request had no predecessor to fetch it
+        for (int64_t s = 0; s < S; ++s) {
           prefetch_row(k_rows[s]);
           prefetch_row(v_rows[s]);
         }
       int64_t next_cursor = 0;  // next request's rows prefetched so far
       __m512 row_max[kMaxG];
       float inv_sum[kMaxG];
-      const uint16_t* pbf = nullptr;
       const int64_t ld_p = (S + 31) / 32 * 32;  // probabilities in whole 32-position A tiles
-      const int64_t tiles = std::max<int64_t>(1, num_kv_heads * (s_vec / 16));
-      const int64_t next_per_tile = (S_next + tiles - 1) / tiles;
+      const int64_t blocks = (S + 15) / 16;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
         const int64_t off = kvh * head_dim;
+        const T* qh = q + (b * num_heads + kvh * g) * head_dim;
+        // the next request's rows, 1/num_kv_heads of them per KV head, spread evenly over
+        // this head's score blocks: issued in one burst, the prefetches filled the fill
+        // buffers and stalled the work behind them (AMX, 30 layers × 64 requests of ~195
+        // positions, from memory: 16.5 ms spread against 18.9 in bursts)
+        const int64_t quota_end = std::min(S_next, (kvh + 1) * S_next / num_kv_heads);
+        const int64_t per_block = (quota_end - next_cursor + blocks - 1) / blocks;
+        auto hook = [&] {
+          for (int64_t n = 0; n < per_block && next_cursor < quota_end; ++n, ++next_cursor) {
+            prefetch_row(next_k_rows[next_cursor]);
+            prefetch_row(next_v_rows[next_cursor]);
+          }
+        };
+        __m512 acc[kMaxG][8];
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t d = 0; d < hv; ++d) acc[j][d] = _mm512_setzero_ps();
         if constexpr (std::is_same_v<T, at::BFloat16>) {
+          // pass 1: scores and each head's max; then exp(score - max) in bf16 and 1/Σ
           if (use_amx) {
-            if (b == begin && kvh == 0)  // the thread's first request had no predecessor to fetch it
-              for (int64_t s = kPrefetchAhead; s < S; ++s) {
-                prefetch_row(k_rows[s]);
-                prefetch_row(v_rows[s]);
-              }
-            // the next request's rows, 1/num_kv_heads of them per KV head, spread evenly over
-            // this head's score blocks: issued in one burst, the prefetches filled the fill
-            // buffers and stalled the tile work behind them (30 layers × 64 requests of ~195
-            // positions, from memory: 16.5 ms spread against 18.9 in bursts)
-            const int64_t quota_end = std::min(S_next, (kvh + 1) * S_next / num_kv_heads);
-            const int64_t per_block = (quota_end - next_cursor + (S + 15) / 16 - 1) / ((S + 15) / 16);
-            auto hook = [&] {
-              for (int64_t n = 0; n < per_block && next_cursor < quota_end; ++n, ++next_cursor) {
-                prefetch_row(next_k_rows[next_cursor]);
-                prefetch_row(next_v_rows[next_cursor]);
-              }
-            };
-            pack_query_tiles(q + (b * num_heads + kvh * g) * head_dim, g, head_dim, qb);
+            pack_query_tiles(qh, g, head_dim, qb);
             const int64_t row_bytes = slot_stride * 2;
             switch (head_dim / 32) {
               case 1: amx_scores<1>(k_rows.data(), off, S, g, row_bytes, qb, scale, scores.data(), row_max, hook); break;
@@ -555,50 +562,44 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
               case 3: amx_scores<3>(k_rows.data(), off, S, g, row_bytes, qb, scale, scores.data(), row_max, hook); break;
               default: amx_scores<4>(k_rows.data(), off, S, g, row_bytes, qb, scale, scores.data(), row_max, hook); break;
             }
-            pbf = exp_to_bf16(scores.data(), S, g, row_max, ld_p, inv_sum);  // softmax, normalised on the output
-          }
-        }
-        if (!use_amx) {
-          for (int64_t j = 0; j < g; ++j) qh[j].load(q + (b * num_heads + kvh * g + j) * head_dim, head_dim);
-          // pass 1: scores; 16 positions at a time so their dot products reduce together
-          for (int64_t j = 0; j < g; ++j) {
-            float* sc = scores.data() + j * S;
-            for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
-              if (kvh == 0 && j == 0 && b == begin)
-                for (int64_t s = s0 + kPrefetchAhead; s < std::min(S, s0 + kPrefetchAhead + 16); ++s) {
-                  prefetch_row(k_rows[s]);
-                  prefetch_row(v_rows[s]);
-                }
-              if (j == 0)  // spread the next request's rows over this request's tiles
-                for (int64_t n = 0; n < next_per_tile && next_cursor < S_next; ++n, ++next_cursor) {
-                  prefetch_row(next_k_rows[next_cursor]);
-                  prefetch_row(next_v_rows[next_cursor]);
-                }
-              for (int k = 0; k < 16; ++k) dots[slot16(k)] = qh[j].dot(k_rows[s0 + k] + off);
-              _mm512_storeu_ps(sc + s0, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(scale)));
+          } else {
+            switch (head_dim / 32) {
+              case 1: vec_scores<1>(k_rows.data(), off, S, g, qh, head_dim, scale, scores.data(), row_max, hook); break;
+              case 2: vec_scores<2>(k_rows.data(), off, S, g, qh, head_dim, scale, scores.data(), row_max, hook); break;
+              case 3: vec_scores<3>(k_rows.data(), off, S, g, qh, head_dim, scale, scores.data(), row_max, hook); break;
+              default: vec_scores<4>(k_rows.data(), off, S, g, qh, head_dim, scale, scores.data(), row_max, hook); break;
             }
-            for (int64_t s = s_vec; s < S; ++s) sc[s] = _mm512_reduce_add_ps(qh[j].dot(k_rows[s] + off)) * scale;
-            softmax_inplace(sc, S);
           }
-        }
-        // pass 2: weighted sum of V rows, each read once for the g query heads of this KV head
-        __m512 acc[kMaxG][8];
-        for (int64_t j = 0; j < g; ++j)
-          for (int64_t d = 0; d < hv; ++d) acc[j][d] = _mm512_setzero_ps();
-        bool values_done = false;
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          const uint16_t* pbf = exp_to_bf16(scores.data(), S, g, row_max, ld_p, inv_sum);  // normalised on the output
+          // pass 2: weighted sum of V rows, each read once for the g query heads of this KV head
           if (use_amx) {
-            // up to two 32-feature chunks per pass over V
-            for (int64_t c = 0; c < head_dim / 32; c += 2) {
+            for (int64_t c = 0; c < head_dim / 32; c += 2) {  // up to two 32-feature chunks per pass over V
               if (head_dim / 32 - c >= 2) amx_values_pass<2>(v_rows.data(), off, c, pbf, ld_p, S, g, acc);
               else amx_values_pass<1>(v_rows.data(), off, c, pbf, ld_p, S, g, acc);
             }
-            for (int64_t j = 0; j < g; ++j)
-              for (int64_t d = 0; d < hv; ++d) acc[j][d] = _mm512_mul_ps(acc[j][d], _mm512_set1_ps(inv_sum[j]));
-            values_done = true;
+          } else {
+            accumulate_values(v_rows.data(), off, pbf, ld_p, S, g, hv, acc);
           }
+          for (int64_t j = 0; j < g; ++j)
+            for (int64_t d = 0; d < hv; ++d) acc[j][d] = _mm512_mul_ps(acc[j][d], _mm512_set1_ps(inv_sum[j]));
+        } else {
+          // fp32: the scores of 16 positions at a time reduce together; softmax; V pass
+          QueryF32 qv;
+          for (int64_t j = 0; j < g; ++j) {
+            qv.load(qh + j * head_dim, head_dim);
+            float* sc = scores.data() + j * S;
+            const int64_t s_vec = S / 16 * 16;
+            for (int64_t s0 = 0; s0 < s_vec; s0 += 16) {
+              if (j == 0) hook();
+              for (int k = 0; k < 16; ++k) dots[slot16(k)] = qv.dot(k_rows[s0 + k] + off);
+              _mm512_storeu_ps(sc + s0, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(scale)));
+            }
+            if (s_vec < S && j == 0) hook();
+            for (int64_t s = s_vec; s < S; ++s) sc[s] = _mm512_reduce_add_ps(qv.dot(k_rows[s] + off)) * scale;
+            softmax_inplace(sc, S);
+          }
+          accumulate_values(v_rows.data(), off, scores.data(), S, g, hv, acc);
         }
-        if (!values_done) accumulate_values(v_rows.data(), off, scores.data(), S, g, hv, acc);
         for (int64_t j = 0; j < g; ++j)
           for (int64_t d = 0; d < hv; ++d) store16(out + (b * num_heads + kvh * g + j) * head_dim + d * 16, acc[j][d]);
       }
