@@ -338,9 +338,10 @@ def test_fused_decode_layers_equal_the_layer_by_layer_path(tiny_model_dirs, qwen
     def run(fused: bool):
         engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_memory="4MiB"))
         engine.model.fused_decode = fused
-        assert (engine.model.fused_decode_rows() > 0) == fused
+        # 11 rows fit the fused path: past the GEMV's 8, on AMX tiles or (without AMX) oneDNN's packed copies
+        assert engine.model.fused_decode_rows() >= 11 if fused else engine.model.fused_decode_rows() == 0
         driver = PagedDriver(engine)
-        # 11 requests: more than the GEMV's 8 rows, so the fused path's AMX projections run where AMX exists
+        # 11 requests: more than the GEMV's 8 rows, so the fused path's packed projections run
         texts = [f"{t} {i}" for i in range(11) for t in ("The quick brown fox", "hello world, once upon a time")][:11]
         reqs = [driver.new_request(engine.tokenizer.encode(t)) for t in texts]
         for r in reqs:

@@ -838,16 +838,44 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::opti
 
 namespace {
 
+// Which packed copies decode_layers gets in each layer's slots 7-10 (see below).
+enum class Packed { kNone, kAmx, kOneDnn };
+
+Packed parse_packed(const std::string& kind) {
+  if (kind == "amx") return Packed::kAmx;
+  if (kind == "onednn") return Packed::kOneDnn;
+  TORCH_CHECK(kind == "none", "decode_layers: packed must be amx, onednn or none, got ", kind);
+  return Packed::kNone;
+}
+
+// oneDNN's linear on a weight it packed (torch.ops.mkldnn._linear_pointwise), the call
+// kvserve.model.linear.Linear makes from Python on CPUs without AMX. Boxed, so no C++
+// signature of ours has to match the operator's registration.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.defined() && bias.numel() > 0 ? c10::IValue(bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // x · wᵀ (+ bias, if not empty) for a decode batch, as kvserve.model.linear.Linear computes
-// it: the GEMV kernel up to 8 rows (bias added to the bf16 result), the AMX kernel on the
-// packed copy beyond (bias added in fp32). `packed` is empty only when batches stay <= 8.
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+// it: the GEMV kernel up to 8 rows (bias added to the bf16 result), beyond that the AMX
+// kernel (bias added in fp32) or oneDNN on their packed copies.
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed, Packed kind,
                       const torch::Tensor& bias = torch::Tensor()) {
   const bool has_bias = bias.defined() && bias.numel() > 0;
   if (x.size(0) <= 8) {
     torch::Tensor y = gemv_bf16(x, w);
     return has_bias ? y.add_(bias) : y;
   }
+  if (kind == Packed::kOneDnn) return onednn_linear(x, packed, bias);
   return amx_linear(x, packed, has_bias ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
 }
 
@@ -859,31 +887,35 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torc
 // of the weight-streaming time; at batch 64 they are still ~5% of the step. This is the
 // CPU's answer to what CUDA graphs do for launch overhead. `layers` holds, per layer:
 // input norm, QKV weight, QKV bias (empty if none), O, post-attention norm, gate_up, down,
-// then the AMX-packed QKV, O, gate_up (its gate and up blocks interleaved, for
-// amx_linear_silu_mul) and down (empty when only batches of <= 8 come).
+// then the packed QKV, O, gate_up and down that `packed` names: "amx" (gate_up with its
+// gate and up blocks interleaved, for amx_linear_silu_mul), "onednn" (oneDNN's layout), or
+// "none" (empty tensors; only batches of <= 8 rows then).
 // Returns the residual stream after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_pools,
                             std::vector<torch::Tensor> v_pools, torch::Tensor positions, torch::Tensor cos_half,
                             torch::Tensor sin_half, torch::Tensor slot_mapping, torch::Tensor block_tables,
                             torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            double eps, double scale) {
+                            double eps, double scale, const std::string& packed) {
   constexpr size_t kPerLayer = 11;
   TORCH_CHECK(layers.size() == k_pools.size() * kPerLayer && k_pools.size() == v_pools.size(), "decode_layers: weights");
   const int64_t B = h.size(0);
-  TORCH_CHECK(B <= 8 || layers[7].numel() > 0, "decode_layers: more than 8 rows need the AMX-packed weights");
+  const Packed kind = parse_packed(packed);
+  TORCH_CHECK(B <= 8 || (kind != Packed::kNone && layers[7].numel() > 0),
+              "decode_layers: more than 8 rows need packed weights");
   torch::Tensor residual;
   for (size_t l = 0; l < k_pools.size(); ++l) {
     const torch::Tensor* w = &layers[l * kPerLayer];
     torch::Tensor x = residual.defined() ? rms_norm(h, w[0], eps, residual) : rms_norm(h, w[0], eps, c10::nullopt);
     if (!residual.defined()) residual = h;
-    torch::Tensor qkv = project(x, w[1], w[7], w[2]);
+    torch::Tensor qkv = project(x, w[1], w[7], kind, w[2]);
     torch::Tensor q = rope_and_cache(qkv, positions, cos_half, sin_half, k_pools[l], v_pools[l], slot_mapping,
                                      num_heads, num_kv_heads, head_dim);
     torch::Tensor attn = paged_decode_attention(q, k_pools[l], v_pools[l], block_tables, context_lens, scale);
-    torch::Tensor o = project(attn.view({B, num_heads * head_dim}), w[3], w[8]);
+    torch::Tensor o = project(attn.view({B, num_heads * head_dim}), w[3], w[8], kind);
     x = rms_norm(o, w[4], eps, residual);
-    torch::Tensor hidden = B <= 8 ? silu_and_mul(project(x, w[5], w[9])) : amx_linear_silu_mul(x, w[9]);
-    h = project(hidden, w[6], w[10]);
+    torch::Tensor hidden = B > 8 && kind == Packed::kAmx ? amx_linear_silu_mul(x, w[9])
+                                                         : silu_and_mul(project(x, w[5], w[9], kind));
+    h = project(hidden, w[6], w[10], kind);
   }
   return residual.add_(h);
 }

@@ -19,6 +19,9 @@ from kvserve.model.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
 from kvserve.model.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, Linear
 
+# decode batches of any size run in one decode_layers call on oneDNN's packed weights
+FUSED_DECODE_MAX_ROWS = 1 << 30
+
 
 class RopeInputs:
     """The step's positions, with cos/sin rows looked up once (lazily) for all layers."""
@@ -118,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
         self._fused_weights: list[torch.Tensor] | None = None
+        self._fused_kind = "none"  # which packed copies _fused_weights holds
         self._fused_rows: int | None = None
         self._k_pools: list[torch.Tensor] = []
         self._v_pools: list[torch.Tensor] = []
@@ -151,17 +155,34 @@ class LlamaForCausalLM(nn.Module):
             and arch.intermediate_size % 16 == 0
         ):
             return 0
-        packed = [p for layer in self.layers for p in (layer.self_attn.qkv.amx_packed, layer.self_attn.o.amx_packed,
-                                                       layer.mlp.silu_packed, layer.mlp.down.amx_packed)]
-        return AMX_MAX_ROWS if all(p is not None for p in packed) else GEMV_MAX_ROWS
+        kind = self._decode_packed_kind()
+        # oneDNN serves any row count; the AMX kernel up to AMX_MAX_ROWS; the GEMV alone up to 8
+        return {"amx": AMX_MAX_ROWS, "onednn": FUSED_DECODE_MAX_ROWS}.get(kind, GEMV_MAX_ROWS)
+
+    def _packed_per_layer(self, kind: str) -> list[tuple]:
+        """Each layer's packed QKV, O, gate_up and down of one kind (None where missing)."""
+        if kind == "amx":
+            return [(layer.self_attn.qkv.amx_packed, layer.self_attn.o.amx_packed, layer.mlp.silu_packed,
+                     layer.mlp.down.amx_packed) for layer in self.layers]  # fmt: skip
+        return [(layer.self_attn.qkv.packed, layer.self_attn.o.packed, layer.mlp.gate_up.packed,
+                 layer.mlp.down.packed) for layer in self.layers]  # fmt: skip
+
+    def _decode_packed_kind(self) -> str:
+        """The packed copies decode_layers gets: AMX tiles where every projection has them,
+        else oneDNN's layout (CPUs without AMX), else none (GEMV batches of <= 8 rows only)."""
+        for kind in ("amx", "onednn"):
+            if all(p is not None for packed in self._packed_per_layer(kind) for p in packed):
+                return kind
+        return "none"
 
     def _decode_weights(self) -> list[torch.Tensor]:
         if self._fused_weights is None:
             self._fused_weights = []
             empty = torch.empty(0, dtype=self.dtype)
-            for layer in self.layers:
+            kind = self._fused_kind = self._decode_packed_kind()
+            packed_layers = self._packed_per_layer(kind) if kind != "none" else [(None,) * 4] * len(self.layers)
+            for layer, packed in zip(self.layers, packed_layers):
                 attn, mlp = layer.self_attn, layer.mlp
-                packed = (attn.qkv.amx_packed, attn.o.amx_packed, mlp.silu_packed, mlp.down.amx_packed)
                 self._fused_weights += [
                     layer.input_layernorm.weight, attn.qkv.weight, empty if attn.qkv.bias is None else attn.qkv.bias,
                     attn.o.weight, layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down.weight,
@@ -174,11 +195,12 @@ class LlamaForCausalLM(nn.Module):
         tokens = input_ids.shape[0]
         if not meta.prefills and 0 < tokens <= self.fused_decode_rows():
             arch = self.arch
+            weights = self._decode_weights()
             return self.ops.decode_layers(
-                h, self._decode_weights(), self._k_pools, self._v_pools, positions,
+                h, weights, self._k_pools, self._v_pools, positions,
                 self.rotary.cos_half, self.rotary.sin_half, meta.slot_mapping, meta.decode_block_tables,
                 meta.decode_context_lens, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps,
-                arch.head_dim**-0.5,
+                arch.head_dim**-0.5, self._fused_kind,
             )  # fmt: skip
         rope = RopeInputs(self.rotary, positions, h.dtype)
         residual = None
