@@ -42,6 +42,19 @@ def test_gemv_matches_fp32_reference(rows, out_features, in_features):
     torch.testing.assert_close(got, expected, atol=in_features * 2**-24 * 4, rtol=2**-8)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (1728, 576), (48, 1536)])
+def test_gemv_on_vnni_tiles_matches_fp32_reference(rows, out_features, in_features):
+    # the GEMV of CPUs without AMX reads the weight in the AMX kernel's tile layout
+    torch.manual_seed(rows)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = torch.randn(out_features, in_features).bfloat16()
+    got = ops.gemv_vnni(x, ops.amx_pack_weight(w)).float()
+    torch.testing.assert_close(got, x.float() @ w.float().T, atol=in_features * 2**-24 * 4, rtol=2**-8)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.gemv_vnni(torch.randn(1, in_features + 32).bfloat16(), ops.amx_pack_weight(w))
+
+
 def _decode_case(dtype, batch, num_heads, num_kv_heads, head_dim, lens, block_size=16, num_blocks=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -307,6 +320,21 @@ def test_interleave_gate_up_alternates_16_row_blocks():
 def test_amx_pack_weight_rejects_shapes_off_the_tile_grid():
     with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
         ops.amx_pack_weight(torch.zeros(24, 32, dtype=torch.bfloat16))
+
+
+def test_linear_without_amx_reads_vnni_tiles_in_the_gemv_and_onednn_past_it():
+    from kvserve.model.linear import GEMV_MAX_ROWS, Linear
+
+    if ops.amx_available():
+        pytest.skip("this CPU has AMX: its GEMV reads the row-major weight")
+    w = torch.randn(64, 96).bfloat16()
+    lin = Linear(w, ops=ops)
+    assert lin.prepack() and lin.gemv_packed is not None and lin.amx_packed is None
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96).bfloat16()
+        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=8e-3)
+    x = torch.randn(GEMV_MAX_ROWS, 96).bfloat16()
+    assert torch.equal(lin(x), ops.gemv_vnni(x, lin.gemv_packed))
 
 
 @needs_amx

@@ -118,6 +118,52 @@ void gemv_dispatch(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y
   });
 }
 
+// y[M, N] = x[M, K] · wᵀ for small M on the VNNI-tile copy of w (amx_pack_weight's layout:
+// per block of 16 output columns, K/32 tiles of 16 rows of pairs, one block contiguous),
+// for CPUs without AMX. Each 64-byte tile row holds one pair of input features for all 16
+// columns, so a broadcast pair of x times that row is one VDPBF16PS into the 16 columns'
+// sums: the weights stream strictly in order and no horizontal sums are left. Row-major,
+// gemv_block reads 4 rows 1,152 bytes apart (K = 576); on a Zen 4 it streamed the 30
+// layers' projections at ~22 GB/s where this layout read ~39 (one row, from memory).
+// C independent sums per row hide VDPBF16PS's latency when M alone cannot.
+template <int M, int C>
+void gemv_vnni_blocks(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N,
+                      int64_t nb0, int64_t nb1) {
+  const int64_t tiles = K / 32;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    __m512 acc[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+    const at::BFloat16* tile = wp + nb * tiles * 512;
+    for (int64_t kb = 0; kb < tiles; ++kb, tile += 512) {
+#pragma GCC unroll 4
+      for (int kp = 0; kp < 16; kp += C) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(tile + (kp + c) * 32);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            int32_t pair;  // (x[2kp], x[2kp + 1]) of this tile's 32 features, low half first like w's pairs
+            std::memcpy(&pair, x + m * K + kb * 32 + 2 * (kp + c), sizeof(pair));
+            acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(pair), wv);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 sum = acc[m][0];
+      for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, acc[m][c]);
+      store16(y + m * N + nb * 16, sum);
+    }
+  }
+}
+
+template <int M>
+void gemv_vnni_dispatch(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N) {
+  constexpr int C = M == 1 ? 4 : M == 2 ? 2 : 1;
+  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) { gemv_vnni_blocks<M, C>(x, wp, y, K, N, b0, b1); });
+}
+
 }  // namespace
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
@@ -140,6 +186,32 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
     case 6: gemv_dispatch<6>(xp, wp, yp, K, N); break;
     case 7: gemv_dispatch<7>(xp, wp, yp, K, N); break;
     default: gemv_dispatch<8>(xp, wp, yp, K, N); break;
+  }
+  return y;
+}
+
+// x: [M <= 8, K] bf16; packed: amx_pack_weight(w) for w [N, K]. Returns [M, N] bf16.
+torch::Tensor gemv_vnni(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "gemv_vnni: bf16 only");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 && packed.is_contiguous(),
+              "gemv_vnni: packed must come from amx_pack_weight");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(x.dim() == 2 && packed.size(1) * 32 == K, "gemv_vnni: x has ", K, " features, the weight ", packed.size(1) * 32);
+  TORCH_CHECK(M >= 1 && M <= 8, "gemv_vnni: 1 <= M <= 8");
+  auto y = torch::empty({M, N}, x.options());
+  auto* xp = x.data_ptr<at::BFloat16>();
+  auto* wp = packed.data_ptr<at::BFloat16>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  switch (M) {
+    case 1: gemv_vnni_dispatch<1>(xp, wp, yp, K, N); break;
+    case 2: gemv_vnni_dispatch<2>(xp, wp, yp, K, N); break;
+    case 3: gemv_vnni_dispatch<3>(xp, wp, yp, K, N); break;
+    case 4: gemv_vnni_dispatch<4>(xp, wp, yp, K, N); break;
+    case 5: gemv_vnni_dispatch<5>(xp, wp, yp, K, N); break;
+    case 6: gemv_vnni_dispatch<6>(xp, wp, yp, K, N); break;
+    case 7: gemv_vnni_dispatch<7>(xp, wp, yp, K, N); break;
+    default: gemv_vnni_dispatch<8>(xp, wp, yp, K, N); break;
   }
   return y;
 }
@@ -866,13 +938,14 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // x · wᵀ (+ bias, if not empty) for a decode batch, as kvserve.model.linear.Linear computes
-// it: the GEMV kernel up to 8 rows (bias added to the bf16 result), beyond that the AMX
-// kernel (bias added in fp32) or oneDNN on their packed copies.
+// it: the GEMV kernel up to 8 rows (bias added to the bf16 result; on the VNNI copy where
+// `w` is one, 4-D), beyond that the AMX kernel (bias added in fp32) or oneDNN on their
+// packed copies.
 torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed, Packed kind,
                       const torch::Tensor& bias = torch::Tensor()) {
   const bool has_bias = bias.defined() && bias.numel() > 0;
   if (x.size(0) <= 8) {
-    torch::Tensor y = gemv_bf16(x, w);
+    torch::Tensor y = w.dim() == 4 ? gemv_vnni(x, w) : gemv_bf16(x, w);
     return has_bias ? y.add_(bias) : y;
   }
   if (kind == Packed::kOneDnn) return onednn_linear(x, packed, bias);
@@ -886,8 +959,9 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torc
 // between them. At batch 1 the ~300 Python-level calls of a step cost as much as a third
 // of the weight-streaming time; at batch 64 they are still ~5% of the step. This is the
 // CPU's answer to what CUDA graphs do for launch overhead. `layers` holds, per layer:
-// input norm, QKV weight, QKV bias (empty if none), O, post-attention norm, gate_up, down,
-// then the packed QKV, O, gate_up and down that `packed` names: "amx" (gate_up with its
+// input norm, QKV weight, QKV bias (empty if none), O, post-attention norm, gate_up, down
+// (the four weights row-major, or each as its VNNI copy for gemv_vnni), then the packed
+// QKV, O, gate_up and down that `packed` names: "amx" (gate_up with its
 // gate and up blocks interleaved, for amx_linear_silu_mul), "onednn" (oneDNN's layout), or
 // "none" (empty tensors; only batches of <= 8 rows then).
 // Returns the residual stream after the last layer (before the final norm).
@@ -944,6 +1018,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "RoPE on Q and K, K/V written to their slots; returns Q");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");
+  m.def("gemv_vnni", &gemv_vnni, "y = x @ w.T for small M, bf16, on amx_pack_weight(w)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
   m.def("paged_prefill_attention", &paged_prefill_attention,

@@ -11,7 +11,9 @@ On the CPU in bf16, with kvserve's kernels:
   projection (3072 × 576) at 2048 rows, 30 layers took 82-88 ms packed against 148-166 ms
   through F.linear (which re-packs per call) and 164-167 ms on the AMX kernel.
 Without AMX, the oneDNN copy serves every row count above the GEMV's (packing on every
-call otherwise costs as much as the multiply at decode batch sizes). Each packed copy
+call otherwise costs as much as the multiply at decode batch sizes), and the GEMV reads a
+copy in the AMX kernel's VNNI-tile layout, whose 16-column blocks it streams in order
+(`gemv_vnni`; the AMX machines' GEMV still reads the row-major weight). Each packed copy
 takes the memory of the weights it packs again (with AMX, two copies: the weights' memory
 three times over); `--no-prepack-weights` skips them. Elsewhere: F.linear.
 """
@@ -40,6 +42,7 @@ class Linear(nn.Module):
         self.ops = ops
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.amx_packed: torch.Tensor | None = None  # AMX tiles
+        self.gemv_packed: torch.Tensor | None = None  # VNNI tiles for gemv_vnni (CPUs without AMX)
 
     def prepack(self) -> bool:
         """Make the packed copies this machine can use; True if there is at least one."""
@@ -47,20 +50,23 @@ class Linear(nn.Module):
         if w.device.type != "cpu" or w.dtype != torch.bfloat16:
             return False
         n, k = w.shape
-        if self.ops is not None and self.ops.amx_available() and n % 16 == 0 and k % 32 == 0:
-            self.amx_packed = self.ops.amx_pack_weight(w.detach())
+        if self.ops is not None and n % 16 == 0 and k % 32 == 0:
+            if self.ops.amx_available():
+                self.amx_packed = self.ops.amx_pack_weight(w.detach())
+            else:  # the same layout, for the GEMV (the pack is a plain permute, no AMX needed)
+                self.gemv_packed = self.ops.amx_pack_weight(w.detach())
         if torch.backends.mkldnn.is_available():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT_ROWS)
             except (RuntimeError, AttributeError):  # a torch build without the op
                 self.packed = None
-        return self.packed is not None or self.amx_packed is not None
+        return self.packed is not None or self.amx_packed is not None or self.gemv_packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
             rows = x.shape[0]
             if self.ops is not None and 0 < rows <= GEMV_MAX_ROWS:
-                y = self.ops.gemv_bf16(x, self.weight)
+                y = self.ops.gemv_bf16(x, self.weight) if self.gemv_packed is None else self.ops.gemv_vnni(x, self.gemv_packed)
                 return y if self.bias is None else y + self.bias
             if self.amx_packed is not None and rows <= AMX_MAX_ROWS:
                 return self.ops.amx_linear(x, self.amx_packed, self.bias)

@@ -183,9 +183,12 @@ class LlamaForCausalLM(nn.Module):
             packed_layers = self._packed_per_layer(kind) if kind != "none" else [(None,) * 4] * len(self.layers)
             for layer, packed in zip(self.layers, packed_layers):
                 attn, mlp = layer.self_attn, layer.mlp
+                # the GEMV's weights: each projection's VNNI copy where it has one, as Linear.forward reads
+                qkv, o, gate_up, down = (lin.weight if lin.gemv_packed is None else lin.gemv_packed
+                                         for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down))  # fmt: skip
                 self._fused_weights += [
-                    layer.input_layernorm.weight, attn.qkv.weight, empty if attn.qkv.bias is None else attn.qkv.bias,
-                    attn.o.weight, layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down.weight,
+                    layer.input_layernorm.weight, qkv, empty if attn.qkv.bias is None else attn.qkv.bias,
+                    o, layer.post_attention_layernorm.weight, gate_up, down,
                     *(empty if p is None else p for p in packed),
                 ]  # fmt: skip
         return self._fused_weights
