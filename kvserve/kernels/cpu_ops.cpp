@@ -238,7 +238,6 @@ struct QueryF32 {
   }
 };
 
-
 // acc[j] += Σ_s p_j[s] · V[s] over the S positions, for the g query heads of one KV head.
 inline void accumulate_values(const float* const* v_rows, int64_t off, const float* scores, int64_t S, int64_t g,
                               int64_t hv, __m512 (*acc)[8]) {

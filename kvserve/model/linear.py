@@ -14,8 +14,8 @@ Without AMX, the oneDNN copy serves every row count above the GEMV's (packing on
 call otherwise costs as much as the multiply at decode batch sizes), and the GEMV reads a
 copy in the AMX kernel's VNNI-tile layout, whose 16-column blocks it streams in order
 (`gemv_vnni`; the AMX machines' GEMV still reads the row-major weight). Each packed copy
-takes the memory of the weights it packs again (with AMX, two copies: the weights' memory
-three times over); `--no-prepack-weights` skips them. Elsewhere: F.linear.
+takes the memory of the weights it packs again (two copies with AMX or without: the
+weights' memory three times over); `--no-prepack-weights` skips them. Elsewhere: F.linear.
 """
 
 from __future__ import annotations
