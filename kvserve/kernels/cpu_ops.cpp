@@ -164,6 +164,22 @@ void gemv_vnni_dispatch(const at::BFloat16* x, const at::BFloat16* wp, at::BFloa
   at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) { gemv_vnni_blocks<M, C>(x, wp, y, K, N, b0, b1); });
 }
 
+// f(std::integral_constant<int, M>{}) for 1 <= M <= 8: the GEMVs' row count as a template
+// argument, so their accumulators stay in registers.
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 }  // namespace
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
@@ -177,16 +193,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
   auto* xp = x.data_ptr<at::BFloat16>();
   auto* wp = w.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  switch (M) {
-    case 1: gemv_dispatch<1>(xp, wp, yp, K, N); break;
-    case 2: gemv_dispatch<2>(xp, wp, yp, K, N); break;
-    case 3: gemv_dispatch<3>(xp, wp, yp, K, N); break;
-    case 4: gemv_dispatch<4>(xp, wp, yp, K, N); break;
-    case 5: gemv_dispatch<5>(xp, wp, yp, K, N); break;
-    case 6: gemv_dispatch<6>(xp, wp, yp, K, N); break;
-    case 7: gemv_dispatch<7>(xp, wp, yp, K, N); break;
-    default: gemv_dispatch<8>(xp, wp, yp, K, N); break;
-  }
+  with_rows(M, [&](auto rows) { gemv_dispatch<decltype(rows)::value>(xp, wp, yp, K, N); });
   return y;
 }
 
@@ -203,16 +210,7 @@ torch::Tensor gemv_vnni(torch::Tensor x, torch::Tensor packed) {
   auto* xp = x.data_ptr<at::BFloat16>();
   auto* wp = packed.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  switch (M) {
-    case 1: gemv_vnni_dispatch<1>(xp, wp, yp, K, N); break;
-    case 2: gemv_vnni_dispatch<2>(xp, wp, yp, K, N); break;
-    case 3: gemv_vnni_dispatch<3>(xp, wp, yp, K, N); break;
-    case 4: gemv_vnni_dispatch<4>(xp, wp, yp, K, N); break;
-    case 5: gemv_vnni_dispatch<5>(xp, wp, yp, K, N); break;
-    case 6: gemv_vnni_dispatch<6>(xp, wp, yp, K, N); break;
-    case 7: gemv_vnni_dispatch<7>(xp, wp, yp, K, N); break;
-    default: gemv_vnni_dispatch<8>(xp, wp, yp, K, N); break;
-  }
+  with_rows(M, [&](auto rows) { gemv_vnni_dispatch<decltype(rows)::value>(xp, wp, yp, K, N); });
   return y;
 }
 
