@@ -8,7 +8,7 @@ import pytest
 
 from kvserve.bench.roofline import decode_bytes_per_step, layer_params, prefill_flops, total_params
 from kvserve.model.hf_loader import read_architecture
-from tests.tiny_models import load_reference
+from tests.support.tiny_models import load_reference
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied", "qwen2-bias"])

@@ -14,9 +14,9 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.loader import load_model
-from tests.paged_driver import PagedDriver
-from tests.tiny_gguf import write_gguf
-from tests.tiny_models import load_reference
+from tests.support.paged_driver import PagedDriver
+from tests.support.tiny_gguf import write_gguf
+from tests.support.tiny_models import load_reference
 
 
 @pytest.fixture()

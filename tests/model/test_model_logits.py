@@ -6,9 +6,9 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from tests.conftest import TINY_VARIANTS
-from tests.paged_driver import assert_follows_reference
-from tests.tiny_models import load_reference
+from tests.support.tiny_models import TINY_VARIANTS
+from tests.support.paged_driver import assert_follows_reference
+from tests.support.tiny_models import load_reference
 
 ATOL = 2e-4
 

@@ -9,7 +9,7 @@ from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectan
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_runner import StepBatch
-from tests.paged_driver import PagedDriver
+from tests.support.paged_driver import PagedDriver
 
 PROMPT = "Once upon a time there was a small engine that served many requests at once. The quick brown fox"
 

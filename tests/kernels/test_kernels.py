@@ -11,7 +11,7 @@ from kvserve.attention.paged import decode_attention, prefill_attention
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kernels import cpu_ops, unavailable_reason
-from tests.paged_driver import PagedDriver
+from tests.support.paged_driver import PagedDriver
 
 ops = cpu_ops()
 # Skipped only where the kernels cannot apply (no AVX512-BF16, no compiler); a machine
@@ -353,7 +353,7 @@ def test_linear_uses_amx_between_the_gemv_and_prefill_sizes():
 
 @pytest.fixture(scope="module")
 def qwen2_hd64(tmp_path_factory) -> str:
-    from tests.tiny_models import make_tiny_model
+    from tests.support.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("qwen2-hd64"), model_type="qwen2", num_heads=4, num_kv_heads=2, hidden_size=256))
 

@@ -9,8 +9,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from tests.paged_driver import assert_follows_reference
-from tests.tiny_models import load_reference
+from tests.support.paged_driver import assert_follows_reference
+from tests.support.tiny_models import load_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

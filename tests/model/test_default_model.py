@@ -9,7 +9,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.model.loader import default_model_path
-from tests.paged_driver import assert_follows_reference
+from tests.support.paged_driver import assert_follows_reference
 
 pytestmark = pytest.mark.default_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from tests.tiny_models import load_reference
+from tests.support.tiny_models import load_reference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 SHARED = "Once upon a time there was a small engine that served many requests at once. "

@@ -96,3 +96,13 @@ def load_reference(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# the variants every test module can ask for by name (tests/conftest.py builds them once)
+TINY_VARIANTS = {
+    "llama-gqa": dict(model_type="llama", num_heads=4, num_kv_heads=2),
+    "llama-tied": dict(model_type="llama", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    "qwen2-bias": dict(model_type="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
+    # head_dim 64, as the default model: the fused RoPE kernel's path (the others run torch's)
+    "llama-hd64": dict(model_type="llama", num_heads=4, num_kv_heads=2, hidden_size=256),
+}
