@@ -1,7 +1,14 @@
 """The shape of a Llama-family model: everything the forward pass and the KV cache need.
 
 One dataclass for Llama, Mistral and Qwen2 (which differ only in QKV bias, RoPE theta
-and sliding window); built from an HF `config.json` or from GGUF metadata.
+and sliding window); built from an HF `config.json` here or from GGUF metadata
+(`kvserve.model.gguf_metadata`). Torch-free: the planner describes models with it too.
+
+Reading a shape and running it are separate decisions. A `ModelArchitecture` can hold
+any Llama-shaped decoder; `check_supported()` says whether the engine runs it, and the
+readers call it unless told `require_supported=False` (the planner, which plans for
+shapes the engine does not run). This module also owns the two counts both sides use:
+`kv_bytes_per_position` (c_kv) and `llama_num_params` (P).
 """
 
 from __future__ import annotations
@@ -13,6 +20,38 @@ from kvserve.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+# Read first, in this order, so a missing one is named the same way every time.
+_REQUIRED_HF_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def kv_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_kv_element: float) -> float:
+    """c_kv = 2·L·N_kv·H·p_kv bytes (the 2 is K and V, every layer).
+
+    An int p_kv (the engine's element size) gives an int; the planner passes fractional
+    bytes too (0.5 for 4-bit KV).
+    """
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_kv_element
+
+
+def llama_num_params(
+    num_layers: int, d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int,
+    head_dim: int, vocab_size: int, tied_embeddings: bool, *, attention_bias: bool = False,
+) -> int:
+    """P of a Llama-shaped decoder: embeddings (and an untied LM head), per layer Q/K/V/O,
+    the gated MLP and two RMSNorms, then the final norm.
+
+    With `attention_bias` (Qwen2) each layer adds the Q, K and V biases, (N_q + 2·N_kv)·H;
+    O has none. A GGUF can be counted exactly from its tensor shapes instead.
+    """
+    attention = d_model * head_dim * (2 * num_query_heads + 2 * num_kv_heads)
+    if attention_bias:
+        attention += (num_query_heads + 2 * num_kv_heads) * head_dim
+    mlp = 3 * d_model * ffn_width
+    per_layer = attention + mlp + 2 * d_model
+    embeddings = vocab_size * d_model * (1 if tied_embeddings else 2)
+    return num_layers * per_layer + embeddings + d_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +84,8 @@ class ModelArchitecture:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
+    def check_supported(self) -> "ModelArchitecture":
+        """This architecture, if the engine runs it; else UnsupportedModelError saying why."""
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {self.architecture!r}; "
@@ -60,15 +100,25 @@ class ModelArchitecture:
                 f"unsupported rope scaling {self.rope_scaling.rope_type!r}; "
                 f"kvserve implements {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        return self
 
     @property
     def queries_per_kv_head(self) -> int:
         """g = N_q / N_kv: Query heads that share one KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_position(self, kv_element_bytes: int) -> int:
-        """c_kv = 2 · L · N_kv · H · p_kv (K and V, every layer)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_element_bytes
+    def kv_bytes_per_position(self, kv_element_bytes: float) -> float:
+        """c_kv = 2 · L · N_kv · H · p_kv (K and V, every layer); an int for an int p_kv."""
+        return kv_bytes_per_position(self.num_layers, self.num_kv_heads, self.head_dim, kv_element_bytes)
+
+    @property
+    def num_params(self) -> int:
+        """P counted from the shape (`llama_num_params`), QKV bias included where there is one."""
+        return llama_num_params(
+            self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.vocab_size, tied_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -78,25 +128,34 @@ class ModelArchitecture:
         data = dict(data)
         data["rope_scaling"] = RopeScaling(**data.get("rope_scaling") or {})
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
-        return cls(**data)
+        return cls(**data).check_supported()
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelArchitecture":
+    def from_hf_config(cls, config: dict[str, Any], *, require_supported: bool = True) -> "ModelArchitecture":
+        """The shape a decoder's `config.json` describes; KeyError names the first missing field.
+
+        With `require_supported` (the engine) a model the engine cannot run raises
+        UnsupportedModelError; without it (the planner) any Llama-shaped config is read.
+        """
         model_type = config.get("model_type", "?")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            archs = config.get("architectures") or []
-            raise UnsupportedModelError(
-                f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no architectures listed'}); "
-                f"kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if config.get("mlp_bias"):
-            raise UnsupportedModelError("unsupported: mlp_bias=true")
+        if require_supported:
+            if model_type not in SUPPORTED_ARCHITECTURES:
+                archs = config.get("architectures") or []
+                raise UnsupportedModelError(
+                    f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no architectures listed'}); "
+                    f"kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                )
+            if config.get("mlp_bias"):
+                raise UnsupportedModelError("unsupported: mlp_bias=true")
+        for key in _REQUIRED_HF_FIELDS:
+            if key not in config:
+                raise KeyError(key)
         num_heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         window = config.get("sliding_window") if config.get("use_sliding_window", model_type == "mistral") else None
-        return cls(
+        arch = cls(
             architecture=model_type,
             vocab_size=config["vocab_size"],
             hidden_size=hidden,
@@ -115,11 +174,13 @@ class ModelArchitecture:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        return arch.check_supported() if require_supported else arch
 
 
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
     # transformers 5 writes `rope_parameters`; older configs `rope_scaling` + `rope_theta`
-    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return params if isinstance(params, dict) else {}
 
 
 def _rope_theta(config: dict[str, Any]) -> float:

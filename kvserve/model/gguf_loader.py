@@ -1,5 +1,8 @@
 """Read a Llama-family GGUF: its architecture, dequantized weights in HF naming, its tokenizer.
 
+The metadata (architecture) is read by the torch-free `kvserve.model.gguf_metadata`,
+shared with the planner; this module re-exports `read_architecture` and `open_gguf`.
+
 Weights leave here named as in a Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`)
 so one model class serves both sources. llama.cpp's converter permutes the rows of the Q and K
 projections of `llama` models to suit its interleaved RoPE; they are permuted back here so the
@@ -10,15 +13,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.model.arch import ModelArchitecture, RopeScaling
-
-_GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+from kvserve.model.arch import ModelArchitecture
+from kvserve.model.gguf_metadata import open_gguf, read_architecture  # noqa: F401  (kvserve.model.loader's)
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -41,65 +42,6 @@ _GLOBAL_TENSORS = {
     "rope_freqs.weight": "rope_freqs",
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def _open(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def read_architecture(reader) -> ModelArchitecture:
-    gguf_arch = _field(reader, "general.architecture")
-    if gguf_arch not in _GGUF_TO_HF_ARCH:
-        raise UnsupportedModelError(
-            f"unsupported GGUF architecture {gguf_arch!r}; kvserve runs {', '.join(_GGUF_TO_HF_ARCH)}"
-        )
-    a = gguf_arch
-    hidden = _field(reader, f"{a}.embedding_length")
-    num_heads = _field(reader, f"{a}.attention.head_count")
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    scaling_type = _field(reader, f"{a}.rope.scaling.type", "none")
-    if scaling_type in ("none", None):
-        rope_scaling = RopeScaling()
-    elif scaling_type == "linear":
-        rope_scaling = RopeScaling(rope_type="linear", factor=float(_field(reader, f"{a}.rope.scaling.factor")))
-    else:
-        raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling_type!r}")
-    eos_ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        value = _field(reader, key)
-        if value is not None and int(value) not in eos_ids:
-            eos_ids.append(int(value))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelArchitecture(
-        architecture=_GGUF_TO_HF_ARCH[gguf_arch],
-        vocab_size=int(_field(reader, f"{a}.vocab_size") or len(tokens)),
-        hidden_size=int(hidden),
-        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{a}.block_count")),
-        num_heads=int(num_heads),
-        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
-        rope_scaling=rope_scaling,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(eos_ids),
-    )
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -153,6 +95,3 @@ def load_tokenizer(path: Path):
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot build a tokenizer from its GGUF metadata ({exc})") from exc
 
-
-def open_gguf(path: Path):
-    return _open(path)

@@ -16,16 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.arch import ModelArchitecture
+from kvserve.paths import cache_root  # re-exported: kvserve.kernels imports it from here
 
 # Bump when the conversion changes, so stale entries are not reused.
 CONVERTER_VERSION = 1
-
-
-def cache_root() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
-    )
-    return Path(root)
 
 
 def file_sha256(path: Path) -> str:

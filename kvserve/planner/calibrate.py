@@ -4,7 +4,8 @@
 for caches at the default size); C is the best rate of a square bf16 `torch.matmul`
 (2n³ FLOPs). Best-of rather than mean, since the planner wants what the hardware can
 reach, as the seed's chip figures are. The result is written as JSON to
-`$KVSERVE_CACHE_DIR/local_chip.json` (default `~/.cache/kvserve/`).
+`local_chip.json` in kvserve's cache directory (`kvserve.paths.cache_root`:
+`$KVSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/kvserve`, else `~/.cache/kvserve`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ estimates, not measured throughput (the seed says so of its own).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvserve.errors import ConfigError
+from kvserve.paths import cache_root
 from kvserve.planner import checks
 
 SECONDS_PER_HOUR = 3600.0
@@ -61,14 +61,9 @@ PRESETS: dict[str, Chip] = {
 LOCAL = "local"
 
 
-def cache_dir() -> Path:
-    """Where `calibrate` writes: `$KVSERVE_CACHE_DIR`, else `~/.cache/kvserve`."""
-    override = os.environ.get("KVSERVE_CACHE_DIR")
-    return Path(override) if override else Path.home() / ".cache" / "kvserve"
-
-
 def local_chip_path() -> Path:
-    return cache_dir() / "local_chip.json"
+    """Where `calibrate` writes, in kvserve's cache directory (`kvserve.paths.cache_root`)."""
+    return cache_root() / "local_chip.json"
 
 
 def save_local_chip(chip: Chip, extra: dict | None = None) -> Path:

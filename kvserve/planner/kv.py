@@ -11,10 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-
-def kv_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_kv_element: float) -> float:
-    """c_kv = 2·L·N_kv·H·p_kv (the 2 is K and V)."""
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_kv_element
+# c_kv = 2·L·N_kv·H·p_kv: one formula for engine and planner, kept with the architecture
+from kvserve.model.arch import kv_bytes_per_position  # noqa: F401
 
 
 def logical_kv_bytes(history_positions: Sequence[int] | int, kv_bytes_per_position: float, batch: int = 1) -> float:

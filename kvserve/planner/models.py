@@ -1,8 +1,12 @@
 """Model shapes the planner reasons about: presets, HF `config.json`, GGUF metadata.
 
 Only the shape matters here (layers, widths, heads, vocabulary, parameter count);
-no weights are loaded. A GGUF's parameter count is summed from its tensor shapes;
-a `config.json` has none, so it is counted from the Llama shapes (`llama_num_params`).
+no weights are loaded. Files are read by the engine's own readers
+(`ModelArchitecture.from_hf_config`, `kvserve.model.gguf_metadata.read_architecture`,
+both torch-free), told not to refuse what the engine cannot run. A GGUF's parameter
+count is summed from its tensor shapes (exact); a `config.json` has none, so it is
+counted from the Llama shapes, QKV bias included where the config has one
+(`llama_num_params`, shared with `ModelArchitecture.num_params`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvserve.errors import ConfigError, ModelLoadError
+from kvserve.model.arch import ModelArchitecture, llama_num_params
+from kvserve.model.gguf_metadata import field as gguf_field
+from kvserve.model.gguf_metadata import open_gguf, read_architecture
 from kvserve.planner import checks
 
 
@@ -45,18 +52,6 @@ class ModelShape:
         return self.num_query_heads // self.num_kv_heads
 
 
-def llama_num_params(
-    num_layers: int, d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int,
-    head_dim: int, vocab_size: int, tied_embeddings: bool,
-) -> int:
-    """Parameters of a Llama-shaped decoder: embeddings, Q/K/V/O, gated MLP, two norms a layer."""
-    attention = d_model * head_dim * (2 * num_query_heads + 2 * num_kv_heads)
-    mlp = 3 * d_model * ffn_width
-    per_layer = attention + mlp + 2 * d_model
-    embeddings = vocab_size * d_model * (1 if tied_embeddings else 2)
-    return num_layers * per_layer + embeddings + d_model
-
-
 PRESETS: dict[str, ModelShape] = {
     "seed-70b": ModelShape(
         "seed-70b", 80, 8192, 28672, 64, 8, 128, 128256, 70e9,
@@ -75,6 +70,14 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+def from_architecture(arch: ModelArchitecture, name: str, num_params: float, note: str = "") -> ModelShape:
+    """The planner's view of an engine `ModelArchitecture`: the same L, D, F, N_q, N_kv, H, V."""
+    return ModelShape(
+        name, arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
+        arch.head_dim, arch.vocab_size, num_params, note=note,
+    )
+
+
 def from_hf_config(path: str | Path) -> ModelShape:
     """Shape from a Hugging Face `config.json` (a file, or a directory holding one)."""
     path = Path(path)
@@ -86,70 +89,27 @@ def from_hf_config(path: str | Path) -> ModelShape:
         raise ModelLoadError(f"cannot read HF config {path}: {exc}") from exc
     config = config.get("text_config", config)  # multimodal configs nest the decoder
     try:
-        num_layers = config["num_hidden_layers"]
-        d_model = config["hidden_size"]
-        ffn_width = config["intermediate_size"]
-        num_query_heads = config["num_attention_heads"]
-        vocab_size = config["vocab_size"]
+        arch = ModelArchitecture.from_hf_config(config, require_supported=False)
     except KeyError as exc:
         raise ModelLoadError(f"{path} has no {exc.args[0]!r}; is it a decoder config.json?") from exc
-    num_kv_heads = config.get("num_key_value_heads") or num_query_heads
-    head_dim = config.get("head_dim") or d_model // num_query_heads
-    num_params = llama_num_params(
-        num_layers, d_model, ffn_width, num_query_heads, num_kv_heads, head_dim, vocab_size,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+    bias = "; QKV bias counted" if arch.attention_bias else ""
+    return from_architecture(
+        arch, path.parent.name or path.stem, arch.num_params, note=f"from {path}; P counted from Llama shapes{bias}",
     )
-    return ModelShape(
-        path.parent.name or path.stem, num_layers, d_model, ffn_width, num_query_heads, num_kv_heads,
-        head_dim, vocab_size, num_params, note=f"from {path}; P counted from Llama shapes",
-    )
-
-
-def _field(reader, key: str):
-    """A scalar, string or array value of a GGUF metadata field, or None if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    if hasattr(field, "contents"):
-        return field.contents()
-    values = [field.parts[i] for i in field.data]
-    if len(values) == 1 and len(values[0]) == 1:
-        return values[0][0].item()
-    return values
 
 
 def from_gguf(path: str | Path) -> ModelShape:
     """Shape from GGUF metadata (`{arch}.block_count`, …); P summed from the tensor shapes."""
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # gguf raises bare ValueError/OSError kinds for bad files
-        raise ModelLoadError(f"cannot read GGUF {path}: {exc}") from exc
-    arch = _field(reader, "general.architecture") or "llama"
-
-    def required(suffix: str) -> int:
-        value = _field(reader, f"{arch}.{suffix}")
-        if value is None:
-            raise ModelLoadError(f"{path} has no {arch}.{suffix} metadata")
-        return int(value)
-
-    num_layers = required("block_count")
-    d_model = required("embedding_length")
-    num_query_heads = required("attention.head_count")
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or num_query_heads)
-    head_dim = int(_field(reader, f"{arch}.attention.key_length") or d_model // num_query_heads)
-    vocab_size = _field(reader, f"{arch}.vocab_size")
-    if vocab_size is None:
-        tokens = _field(reader, "tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ModelLoadError(f"{path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-        vocab_size = len(tokens)
+        reader = open_gguf(path)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"cannot read GGUF {path}: {exc.__cause__ or exc}") from exc
+    arch = read_architecture(reader, require_supported=False, source=path)
     num_params = sum(int(tensor.n_elements) for tensor in reader.tensors)
-    name = _field(reader, "general.name") or Path(path).stem
-    return ModelShape(
-        str(name), num_layers, d_model, required("feed_forward_length"), num_query_heads, num_kv_heads,
-        head_dim, int(vocab_size), num_params, note=f"from GGUF {path}; P summed over {len(reader.tensors)} tensors",
+    name = gguf_field(reader, "general.name") or Path(path).stem
+    return from_architecture(
+        arch, str(name), num_params,
+        note=f"from GGUF {path}; P summed over {len(reader.tensors)} tensors",
     )
 
 
