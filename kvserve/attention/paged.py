@@ -81,35 +81,30 @@ def prefill_attention(
 
 
 def paged_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float, ops=None
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float,
+    decode_ops=None, prefill_ops=None,
 ) -> torch.Tensor:
     """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H].
 
-    With the CPU kernels loaded, decodes read the block pool in place through the block
-    tables, and prompt tokens (bf16) through their slots; otherwise they gather and
-    call SDPA (the reference path).
+    `decode_ops` / `prefill_ops`: the compiled module where KernelSupport turned that kernel
+    on for this model (else None). The decode kernel reads the block pool in place through
+    the block tables, the prefill kernel reads prompt tokens' K/V through their slots;
+    without them, decodes and prompts gather and call SDPA (the reference path).
     """
-    if meta.num_decodes and not meta.prefills and ops is not None:
-        return ops.paged_decode_attention(q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale)
+    if meta.num_decodes and not meta.prefills and decode_ops is not None:
+        return decode_ops.paged_decode_attention(q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if meta.num_decodes:
-        if ops is not None:
-            out[: meta.num_decodes] = ops.paged_decode_attention(
+        if decode_ops is not None:
+            out[: meta.num_decodes] = decode_ops.paged_decode_attention(
                 q[: meta.num_decodes], k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale
             )
         else:
             out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale)
     if meta.prefills:
-        if ops is not None and prefill_kernel_applies(ops, q, k_pool):
+        if prefill_ops is not None:
             slots, segments = meta.prefill_kernel_args()
-            ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out)
+            prefill_ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out)
         else:
             prefill_attention(q, k_pool, v_pool, meta, scale, out)
     return out
-
-
-def prefill_kernel_applies(ops, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """The prefill kernel (AMX tiles, or AVX512-BF16 where the CPU has no AMX) serves bf16
-    with head_dim % 32 == 0; anything else takes prefill_attention, the reference it is
-    tested against."""
-    return q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and k_pool.is_contiguous()

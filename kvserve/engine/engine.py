@@ -21,6 +21,7 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from kvserve.kernels.support import KernelSupport
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -94,15 +95,16 @@ class LLMEngine:
             from kvserve.kernels import cpu_ops
 
             ops = cpu_ops()
-        self.uses_cpu_kernels = ops is not None
-        model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1, ops=ops)
+        # which kernel runs each part of this model, decided once; the model only follows it
+        self.kernels = KernelSupport.decide(arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights)
+        model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1, kernels=self.kernels)
         loaded.weights.clear()
         self.model = model.to(config.torch_device)
-        self.num_prepacked = self.model.prepack() if config.prepack_weights else 0
+        self.model.process_weights_after_loading()
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.runner = ModelRunner(self.model, layout, config.torch_device)
-        self.sampler = Sampler(ops)
+        self.sampler = Sampler(self.kernels.op("argmax_rows"))
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Parent] = {}
         self.counters = EngineCounters()
@@ -312,7 +314,8 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def describe(self) -> str:
-        """The start-up report: model, dtype, KV pool size and c_kv."""
+        """The start-up report: model, dtype, KV pool size and c_kv, then which kernel runs each
+        part of the model and why (KernelSupport), and each projection's linear method."""
         layout = self.layout
         return (
             f"model {self.model_name} ({self.arch.architecture}, {self.arch.num_layers} layers, "
@@ -322,5 +325,10 @@ class LLMEngine:
             f"KV cache: {layout.num_blocks} blocks x {layout.block_size} = {layout.num_tokens} tokens, "
             f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
             f"max_model_len {self.max_model_len}; loaded in {self.load_seconds:.1f}s"
-            f"{' (cached weights)' if self.loaded_from_cache else ''}"
+            f"{' (cached weights)' if self.loaded_from_cache else ''}\n"
+            f"{self.kernels.describe()}\n{self.model.describe_projections()}"
         )
+
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        return self.kernels.ops is not None

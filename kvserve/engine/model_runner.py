@@ -63,7 +63,7 @@ class ModelRunner:
         self.kv_pool = torch.zeros((2, arch.num_layers, *shape), dtype=model.dtype, device=device)
         model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
         # the decode-attention kernel walks block tables itself: no slot lists or masks needed
-        self.decode_reads_pool_in_place = model.layers[0].self_attn.attention_ops is not None
+        self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
 
     def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepBatch:
         bs = self.layout.block_size

@@ -1,9 +1,10 @@
-"""Optional C++ CPU kernels (cpu_ops.cpp), built once per machine with torch's cpp_extension.
+"""Optional C++ CPU kernels (the .cpp files here, one per op family; kernels.h declares them and
+their limits, api.py their Python signatures), built once per machine with torch's cpp_extension.
 
 They are used only where they can be: an x86 CPU with AVX512-BF16, a C++ compiler, and
 `KVSERVE_CPU_KERNELS` not set to 0. Anywhere else kvserve runs the plain-torch reference
 path, which the kernels are tested against. The build (~40 s) lands in the kvserve cache
-directory, keyed by the source's hash, so it happens once.
+directory, keyed by the sources' hash, so it happens once.
 """
 
 from __future__ import annotations
@@ -17,8 +18,21 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "amx_linear.cpp", "prefill_attention.cpp")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("amx_tiles.h", "vec_math.h")]
+_SOURCES = [
+    Path(__file__).with_name(n)
+    for n in (
+        "gemv.cpp",
+        "amx_linear.cpp",
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "norm_rope_act.cpp",
+        "argmax.cpp",
+        "linear.cpp",
+        "fused_decode.cpp",
+        "bindings.cpp",
+    )
+]
+_HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "amx_tiles.h", "vec_math.h")]
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 

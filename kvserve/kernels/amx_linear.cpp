@@ -1,5 +1,6 @@
 // y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias) in bf16 on Intel AMX tiles, for batched decode
-// and mixed steps (kvserve.model.linear sends it 9 to 1024 rows).
+// and mixed steps (linear() in linear.cpp sends it the rows past the GEMV's, up to a
+// Projection's amx_max_rows).
 //
 // Why our own: at these M, oneDNN's packed GEMM runs at ~1.2 TFLOP/s when its weights sit
 // in cache but only at ~9 GB/s of weights when they come from memory, as they do in a
@@ -27,15 +28,17 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
 
 constexpr int kTileRows = 16;    // rows of x per A tile, K pairs per B tile
-constexpr int kTileK = 32;       // bf16 input features per tile
-constexpr int kTileN = 16;       // output columns per column block
+constexpr int kTileK = kWeightTileK;    // bf16 input features per tile (32)
+constexpr int kTileN = kWeightTileRows; // output columns per column block (16)
 constexpr int kGroupTiles = 4;   // A tiles (64 rows of x) per pass over a weight tile
 constexpr int64_t kSmallTiles = 8;   // up to 128 rows of x: the decode-shaped loop
+static_assert(kSmallTiles * kTileRows == kAmxArgmaxMaxRows, "amx_linear_argmax runs in the decode-shaped loop only");
 constexpr int64_t kPanelTiles = 16;  // 256 rows of x per panel in the larger-x loop
 // Column blocks (with depth chunks: chunk runs) whose weights are prefetched into L2 while
 // one computes. Measured in the 64-request decode step: no prefetch ~10% slower (12-27% with
@@ -155,7 +158,7 @@ bool amx_available() {
 torch::Tensor amx_pack_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx_pack_weight: [N, K] bf16");
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % kTileN == 0 && K % kTileK == 0, "amx_pack_weight: N % 16 == 0 and K % 32 == 0, got ", N, "x", K);
+  TORCH_CHECK(N % kTileN == 0 && K % kTileK == 0, "amx_pack_weight: N % ", kTileN, " == 0 and K % ", kTileK, " == 0, got ", N, "x", K);
   return w.contiguous()
       .view({N / kTileN, kTileN, K / kTileK, kTileRows, 2})
       .permute({0, 2, 3, 1, 4})
@@ -206,7 +209,7 @@ enum class Epilogue { kStore, kSiluMul, kArgmax };
 
 // y = x·Wᵀ (+ bias) with W packed by amx_pack_weight. With kSiluMul, W is the gate and up
 // projections with their 16-column blocks interleaved (gate block p, then up block p: see
-// interleave_gate_up in kvserve/model/layers.py) and y = silu(gate) · up, [M, N/2]. Both
+// interleave_gate_up in kvserve/model/linear_methods/cpu_bf16.py) and y = silu(gate) · up, [M, N/2]. Both
 // halves of a pair are rounded to bf16 first, as the unfused path stores them, so the
 // result is bitwise that of amx_linear followed by silu_and_mul — without writing the
 // [M, N] gate/up product and reading it back, and without the separate pass over it.
@@ -224,7 +227,7 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
   TORCH_CHECK(!bias || (bias->numel() == N && bias->scalar_type() == at::kBFloat16), "amx_linear: bias");
   TORCH_CHECK(!silu_mul || (NB % 2 == 0 && !bias), "amx_linear_silu_mul: gate/up block pairs, no bias");
   const int64_t N_out = silu_mul ? N / 2 : N;
-  TORCH_CHECK(!argmax || M <= kSmallTiles * kTileRows, "amx_linear_argmax: at most ", kSmallTiles * kTileRows, " rows");
+  TORCH_CHECK(!argmax || M <= kAmxArgmaxMaxRows, "amx_linear_argmax: at most ", kAmxArgmaxMaxRows, " rows");
   auto y = argmax ? torch::empty({M}, x.options().dtype(at::kLong)) : torch::empty({M, N_out}, x.options());
   if (M == 0) return y;
   // A tiles read 16 whole rows: pad x to a multiple of 16 rows (zeros) when it is not one
@@ -427,7 +430,7 @@ torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed) {
   return amx_run(x, packed, c10::nullopt, Epilogue::kSiluMul);
 }
 
-// x [M, K] (M <= 128), packed from amx_pack_weight, bias [N] or empty → argmax over each
+// x [M, K] (M <= kAmxArgmaxMaxRows), packed from amx_pack_weight, bias [N] or empty → argmax over each
 // row of x·Wᵀ (+ bias) rounded to bf16, int64 [M]: bitwise argmax_rows(amx_linear(x, ...)).
 torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   return amx_run(x, packed, bias, Epilogue::kArgmax);

@@ -1,17 +1,10 @@
-// What the AMX users (amx_linear.cpp, the decode attention in cpu_ops.cpp) share: the
-// availability check and the tile configuration. Both use only full tiles, 16 rows of
-// 64 bytes (16 fp32 or 32 bf16), so one configuration serves every tile they touch.
+// What the AMX users (amx_linear.cpp, decode_attention.cpp, prefill_attention.cpp) share:
+// the tile configuration (the availability checks, amx_available and amx_attention_on, are
+// declared in kernels.h). They use only full tiles, 16 rows of 64 bytes (16 fp32 or 32
+// bf16), so one configuration serves every tile they touch.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
-
-// True when this CPU has AMX-BF16 and Linux let this process use the tile registers
-// (defined in amx_linear.cpp).
-bool amx_available();
-
-// amx_available() unless a test switched AMX attention off to check the AVX512-BF16 paths
-// of decode and prefill attention on the same machine (defined in cpu_ops.cpp).
-bool amx_attention_on();
 
 struct alignas(64) AmxTileConfig {
   uint8_t palette_id = 1;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -221,7 +222,8 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tenso
                   segments.size(1) == 4, "paged_prefill_attention: int64 slots and [n, 4] segments");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "contiguous pools and out");
   const int64_t D = q.size(2), num_heads = q.size(1), num_kv = k_pool.size(2);
-  TORCH_CHECK(D % 32 == 0 && k_pool.size(3) == D && num_heads % num_kv == 0, "paged_prefill_attention: head_dim % 32");
+  TORCH_CHECK(D % kPrefillAttentionHeadDimMultiple == 0 && k_pool.size(3) == D && num_heads % num_kv == 0,
+              "paged_prefill_attention: head_dim % ", kPrefillAttentionHeadDimMultiple, " == 0, got ", D);
   TORCH_CHECK(scale > 0, "paged_prefill_attention: scale > 0 (the row maximum is taken before scaling)");
   q = q.contiguous();
   slots = slots.contiguous();

@@ -1,4 +1,4 @@
-// Vector helpers shared by the kernels (cpu_ops.cpp, prefill_attention.cpp, amx_linear.cpp):
+// Vector helpers shared by the kernels (every .cpp here but linear, fused_decode and bindings):
 // bf16 ↔ fp32 for 16 lanes, e^x for softmax and SiLU, and SiLU·up.
 #pragma once
 #include <torch/extension.h>

@@ -5,24 +5,25 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels.support import KernelSupport
 from kvserve.model.arch import ModelArchitecture
-from kvserve.model.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, Linear
+from kvserve.model.linear import GateUpSiluLinear, Linear
 
 
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float, ops=None):
+        """`ops`: the compiled module where KernelSupport turned rms_norm on, else None."""
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
-        self.ops = ops if weight.shape[0] % 16 == 0 else None
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x); with `residual`, first `residual += x` in place and normalise that
         (the pre-norm residual stream of a decoder layer, one pass instead of two)."""
-        if self.ops is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
+        if self.ops is not None and x.is_contiguous():
             return self.ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = residual.add_(x)
@@ -83,43 +84,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
-    """[gate; up] ([2I, K]) with their 16-row blocks alternating: gate rows 0-15, up rows
-    0-15, gate rows 16-31, ... the order amx_linear_silu_mul reads its packed weight in, so
-    each 16 outputs of silu(gate)·up come from two neighbouring column blocks."""
-    two_i, k = gate_up.shape
-    return gate_up.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k)
-
-
 class SiluMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), gate and up in one matmul whose method applies the SiLU."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ops=None):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, kernels: KernelSupport):
         super().__init__()
-        self.intermediate_size = gate.shape[0]
-        self.gate_up = Linear(torch.cat([gate, up], dim=0), ops=ops)
-        self.down = Linear(down, ops=ops)
-        self.ops = ops
-        self.silu_packed: torch.Tensor | None = None  # gate/up AMX tiles, blocks interleaved
-
-    def fuse_silu(self) -> bool:
-        """After prepack: swap gate_up's AMX copy for one whose gate and up blocks alternate,
-        so the AMX kernel applies silu(gate)·up as it writes (no [T, 2I] product written and
-        read back; 30 layers at 64 rows: 10.1-10.4 ms against 11.1-11.6). Bitwise the same."""
-        if self.gate_up.amx_packed is None or self.intermediate_size % 16:
-            return False
-        # one AMX copy, freed before its replacement is made; gate_up alone now takes oneDNN's
-        self.gate_up.amx_packed = None
-        self.silu_packed = self.ops.amx_pack_weight(interleave_gate_up(self.gate_up.weight.detach()))
-        return True
+        self.gate_up = GateUpSiluLinear(gate, up, kernels)
+        self.down = Linear(down, None, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.silu_packed is not None and x.dtype == torch.bfloat16 and GEMV_MAX_ROWS < x.shape[0] <= AMX_MAX_ROWS:
-            return self.down(self.ops.amx_linear_silu_mul(x, self.silu_packed))
-        gate_up = self.gate_up(x)
-        if self.ops is not None and self.intermediate_size % 16 == 0 and gate_up.dtype in (torch.float32, torch.bfloat16):
-            hidden = self.ops.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            hidden = F.silu(gate) * up
-        return self.down(hidden)
+        return self.down(self.gate_up(x))

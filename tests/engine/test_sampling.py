@@ -45,8 +45,8 @@ def test_greedy_from_the_lm_head_argmax_equals_greedy_from_logits(tiny_llama):
     9-128 rows), writing no logits; asking for logprobs takes the logits path. Same tokens."""
     llm = LLM(tiny_llama, dtype="bfloat16", device="cpu", kv_cache_memory="8MiB", block_size=4)
     model = llm.engine.runner.model
-    if model.lm_head.amx_packed is not None:  # the fused path exists here: make sure it is taken
-        assert model.lm_head.fused_argmax(torch.randn(12, model.arch.hidden_size).bfloat16()) is not None
+    if model.kernels.argmax_epilogue.enabled:  # the fused path exists here: make sure it is taken
+        assert model.lm_head.argmax(torch.randn(12, model.arch.hidden_size).bfloat16()) is not None
     prompts = [f"request {i} asks about {'foxes' if i % 2 else 'the capital of France'}" for i in range(12)]
     fused = _texts(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     from_logits = _texts(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)))

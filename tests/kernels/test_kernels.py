@@ -11,6 +11,7 @@ from kvserve.attention.paged import decode_attention, prefill_attention
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kernels import cpu_ops, unavailable_reason
+from kvserve.kernels.support import KernelSupport
 from tests.support.paged_driver import PagedDriver
 
 ops = cpu_ops()
@@ -268,7 +269,7 @@ def test_amx_linear_matches_torch(rows, n, k, with_bias):
 def test_amx_linear_silu_mul_is_the_unfused_pair_bitwise(rows, intermediate, k):
     """The fused gate/up kernel against amx_linear then silu_and_mul on the plain [gate; up]
     pack: both loops, rows off the tile grid, odd A tiles in a panel — bit for bit."""
-    from kvserve.model.layers import interleave_gate_up
+    from kvserve.model.linear_methods.cpu_bf16 import interleave_gate_up
 
     g = torch.Generator().manual_seed(rows + intermediate)
     gate_up = (torch.randn(2 * intermediate, k, generator=g) * 0.2).bfloat16()
@@ -309,7 +310,7 @@ def test_amx_linear_argmax_refuses_more_rows_than_its_loop_takes():
 
 
 def test_interleave_gate_up_alternates_16_row_blocks():
-    from kvserve.model.layers import interleave_gate_up
+    from kvserve.model.linear_methods.cpu_bf16 import interleave_gate_up
 
     gate_up = torch.arange(64).view(64, 1)  # gate rows 0-31, up rows 32-63
     order = interleave_gate_up(gate_up).view(-1).tolist()
@@ -322,33 +323,63 @@ def test_amx_pack_weight_rejects_shapes_off_the_tile_grid():
         ops.amx_pack_weight(torch.zeros(24, 32, dtype=torch.bfloat16))
 
 
-def test_linear_without_amx_reads_vnni_tiles_in_the_gemv_and_onednn_past_it():
-    from kvserve.model.linear import GEMV_MAX_ROWS, Linear
+def _linear(w: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+    """A Linear as the engine builds one for a bf16 model on this machine."""
+    from kvserve.model.arch import ModelArchitecture
+    from kvserve.model.linear import Linear
 
+    arch = ModelArchitecture("llama", 320, 64, 128, 1, 4, 2, 16, 1e-6, 1e4, 64, False)
+    kernels = KernelSupport.decide(arch, torch.bfloat16, torch.device("cpu"), ops, prepack_weights=prepack)
+    lin = Linear(w, bias, kernels)
+    lin.process_weights_after_loading()
+    return lin
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear_at_every_row_count(prepack, with_bias):
+    """Each tier the method keeps (GEMV, AMX where present, oneDNN, F.linear) gives x·Wᵀ + b."""
+    w = torch.randn(64, 96).bfloat16()
+    b = torch.randn(64).bfloat16() if with_bias else None
+    lin = _linear(w, b, prepack)
+    for rows in (1, 8, 9, 300, 1025):
+        x = torch.randn(rows, 96).bfloat16()
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        torch.testing.assert_close(lin(x).float(), ref, atol=3e-2, rtol=8e-3)
+
+
+def test_linear_without_amx_keeps_vnni_tiles_and_onednn_and_drops_the_row_major_weight():
     if ops.amx_available():
         pytest.skip("this CPU has AMX: its GEMV reads the row-major weight")
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: F.linear needs the row-major weight past the GEMV")
     w = torch.randn(64, 96).bfloat16()
-    lin = Linear(w, ops=ops)
-    assert lin.prepack() and lin.gemv_packed is not None and lin.amx_packed is None
-    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300):
-        x = torch.randn(rows, 96).bfloat16()
-        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=8e-3)
-    x = torch.randn(GEMV_MAX_ROWS, 96).bfloat16()
-    assert torch.equal(lin(x), ops.gemv_vnni(x, lin.gemv_packed))
+    lin = _linear(w)
+    p = lin.kernel
+    assert lin.weight is None and p.weight is None and p.amx is None
+    assert p.gemv is not None and p.onednn is not None
+    x = torch.randn(8, 96).bfloat16()
+    assert torch.equal(lin(x), ops.gemv_vnni(x, p.gemv))
 
 
 @needs_amx
-def test_linear_uses_amx_between_the_gemv_and_prefill_sizes():
-    from kvserve.model.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, Linear
+def test_linear_on_amx_keeps_row_major_for_the_gemv_and_tiles_up_to_1024_rows():
+    from kvserve.kernels.support import AMX_MAX_ROWS
 
     w = torch.randn(64, 96).bfloat16()
-    lin = Linear(w, ops=ops)
-    # AMX tiles up to AMX_MAX_ROWS; oneDNN's packed copy (where torch has it) past that
-    assert lin.prepack() and lin.amx_packed is not None
-    assert (lin.packed is not None) == torch.backends.mkldnn.is_available()
-    for rows in (1, GEMV_MAX_ROWS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
-        x = torch.randn(rows, 96).bfloat16()
-        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=8e-3)
+    lin = _linear(w)
+    p = lin.kernel
+    assert p.weight is not None and p.amx is not None and p.gemv is None and p.amx_max_rows == AMX_MAX_ROWS
+    x = torch.randn(AMX_MAX_ROWS, 96).bfloat16()
+    assert torch.equal(lin(x), ops.amx_linear(x, p.amx))
+
+
+def test_linear_off_the_tile_grid_keeps_the_row_major_weight():
+    w = torch.randn(40, 40).bfloat16()  # N % 16 and K % 32 off the grid: no tile copies
+    lin = _linear(w)
+    assert lin.weight is not None and lin.kernel.gemv is None and lin.kernel.amx is None
+    x = torch.randn(3, 40).bfloat16()
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=8e-3)
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,19 @@
-// CPU kernels for the two memory-bound parts of decode, where PyTorch's generic paths
-// read far below the machine's bandwidth:
-//   gemv_bf16         y[M, N] = x[M, K] · w[N, K]ᵀ for small M (batch-1..8 decode), bf16
-//                     weights streamed once with AVX512-BF16 dot products, fp32 accumulation.
-//   paged_decode_attention
-//                     one new query per request attending to its S0 + 1 cached positions,
-//                     read in place from the block pool through the block table (no gather
-//                     copy), g query heads of a KV head sharing each K/V row read.
-// Batched projections on AMX tiles live in amx_linear.cpp, prompt-token attention on AMX
-// tiles in prefill_attention.cpp (both bound here). The plain-torch path stays the
-// reference these are tested against; kvserve/kernels/__init__.py falls back to it where
-// they cannot be built.
+// Paged decode attention: one new query per request attending to its S0 + 1 cached
+// positions, read in place from the block pool through the block table (no gather copy),
+// g query heads of a KV head sharing each K/V row read. bf16 pools take AMX tiles where
+// the CPU has them (amx_attention_on) and AVX512-BF16 dot products elsewhere; fp32 pools
+// take fp32 FMAs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "amx_tiles.h"
+#include "kernels.h"
 #include "vec_math.h"
 
 // Tests switch AMX attention off to check both paths of decode and prefill attention on
@@ -26,7 +21,6 @@
 static bool amx_attention_enabled = true;
 void set_amx_attention(bool enabled) { amx_attention_enabled = enabled; }
 bool amx_attention_on() { return amx_attention_enabled && amx_available(); }
-
 
 namespace {
 
@@ -74,156 +68,18 @@ inline __m512 transpose_sum16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
 }
 
-// ---- GEMV ---------------------------------------------------------------------------
-
-constexpr int kRows = 4;  // weight rows per inner step: each x load feeds 4 dot products
-
-template <int M>
-void gemv_block(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t K, int64_t N,
-                int64_t n_begin, int64_t n_end) {
-  const int64_t k_vec = K / 32 * 32;
-  for (int64_t n = n_begin; n < n_end; n += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, n_end - n));
-    __m512 acc[M][kRows];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < k_vec; k += 32) {
-      __m512bh wv[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        const at::BFloat16* row = w + (n + (r < rows ? r : 0)) * K + k;
-        _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K), _MM_HINT_T0);
-        wv[r] = (__m512bh)_mm512_loadu_si512(row);
-      }
-      for (int m = 0; m < M; ++m) {
-        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-        for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      for (int r = 0; r < rows; ++r) {
-        float sum = _mm512_reduce_add_ps(acc[m][r]);
-        for (int64_t k = k_vec; k < K; ++k)
-          sum += static_cast<float>(x[m * K + k]) * static_cast<float>(w[(n + r) * K + k]);
-        y[m * N + n + r] = to_bf16(sum);
-      }
-    }
-  }
-}
-
-template <int M>
-void gemv_dispatch(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t K, int64_t N) {
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    gemv_block<M>(x, w, y, K, N, b0 * kRows, std::min(N, b1 * kRows));
-  });
-}
-
-// y[M, N] = x[M, K] · wᵀ for small M on the VNNI-tile copy of w (amx_pack_weight's layout:
-// per block of 16 output columns, K/32 tiles of 16 rows of pairs, one block contiguous),
-// for CPUs without AMX. Each 64-byte tile row holds one pair of input features for all 16
-// columns, so a broadcast pair of x times that row is one VDPBF16PS into the 16 columns'
-// sums: the weights stream strictly in order and no horizontal sums are left. Row-major,
-// gemv_block reads 4 rows 1,152 bytes apart (K = 576); on a Zen 4 it streamed the 30
-// layers' projections at ~22 GB/s where this layout read ~39 (one row, from memory).
-// C independent sums per row hide VDPBF16PS's latency when M alone cannot.
-template <int M, int C>
-void gemv_vnni_blocks(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N,
-                      int64_t nb0, int64_t nb1) {
-  const int64_t tiles = K / 32;
-  for (int64_t nb = nb0; nb < nb1; ++nb) {
-    __m512 acc[M][C];
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
-    const at::BFloat16* tile = wp + nb * tiles * 512;
-    for (int64_t kb = 0; kb < tiles; ++kb, tile += 512) {
-#pragma GCC unroll 4
-      for (int kp = 0; kp < 16; kp += C) {
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(tile + (kp + c) * 32);
-#pragma GCC unroll 8
-          for (int m = 0; m < M; ++m) {
-            int32_t pair;  // (x[2kp], x[2kp + 1]) of this tile's 32 features, low half first like w's pairs
-            std::memcpy(&pair, x + m * K + kb * 32 + 2 * (kp + c), sizeof(pair));
-            acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(pair), wv);
-          }
-        }
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      __m512 sum = acc[m][0];
-      for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, acc[m][c]);
-      store16(y + m * N + nb * 16, sum);
-    }
-  }
-}
-
-template <int M>
-void gemv_vnni_dispatch(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N) {
-  constexpr int C = M == 1 ? 4 : M == 2 ? 2 : 1;
-  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) { gemv_vnni_blocks<M, C>(x, wp, y, K, N, b0, b1); });
-}
-
-// f(std::integral_constant<int, M>{}) for 1 <= M <= 8: the GEMVs' row count as a template
-// argument, so their accumulators stay in registers.
-template <typename F>
-void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
-}
-
-}  // namespace
-
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: shapes");
-  x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= 8, "gemv_bf16: 1 <= M <= 8");
-  auto y = torch::empty({M, N}, x.options());
-  auto* xp = x.data_ptr<at::BFloat16>();
-  auto* wp = w.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  with_rows(M, [&](auto rows) { gemv_dispatch<decltype(rows)::value>(xp, wp, yp, K, N); });
-  return y;
-}
-
-// x: [M <= 8, K] bf16; packed: amx_pack_weight(w) for w [N, K]. Returns [M, N] bf16.
-torch::Tensor gemv_vnni(torch::Tensor x, torch::Tensor packed) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "gemv_vnni: bf16 only");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 && packed.is_contiguous(),
-              "gemv_vnni: packed must come from amx_pack_weight");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(x.dim() == 2 && packed.size(1) * 32 == K, "gemv_vnni: x has ", K, " features, the weight ", packed.size(1) * 32);
-  TORCH_CHECK(M >= 1 && M <= 8, "gemv_vnni: 1 <= M <= 8");
-  auto y = torch::empty({M, N}, x.options());
-  auto* xp = x.data_ptr<at::BFloat16>();
-  auto* wp = packed.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  with_rows(M, [&](auto rows) { gemv_vnni_dispatch<decltype(rows)::value>(xp, wp, yp, K, N); });
-  return y;
-}
-
-// ---- paged decode attention ---------------------------------------------------------------
-
-namespace {
-
-constexpr int64_t kMaxG = 16;
+constexpr int64_t kMaxG = kDecodeAttentionMaxQueriesPerKvHead;
+// 16-float vectors of the longest head (accumulator rows) and its 32-feature chunks: the
+// score kernels below are instantiated for 1..kMaxChunks chunks, accumulate_values for the
+// chunk/group pairs its grouping makes of them.
+constexpr int kHeadVecs = kDecodeAttentionMaxHeadDim / 16;
+constexpr int kMaxChunks = kDecodeAttentionMaxHeadDim / 32;
+static_assert(kMaxChunks == 4, "vec_scores, amx_scores (B tiles 2..5) and accumulate_values cover 1..4 chunks");
 
 // Dot products of one query head (pre-loaded) with one K row, as 16 fp32 partial sums
 // (fp32 pools; bf16 takes vec_scores or amx_scores).
 struct QueryF32 {
-  __m512 v[8];  // head_dim / 16 chunks
+  __m512 v[kHeadVecs];  // head_dim / 16 chunks
   int n;
   void load(const float* q, int64_t head_dim) {
     n = static_cast<int>(head_dim / 16);
@@ -238,7 +94,7 @@ struct QueryF32 {
 
 // acc[j] += Σ_s p_j[s] · V[s] over the S positions, for the g query heads of one KV head.
 inline void accumulate_values(const float* const* v_rows, int64_t off, const float* scores, int64_t S, int64_t g,
-                              int64_t hv, __m512 (*acc)[8]) {
+                              int64_t hv, __m512 (*acc)[kHeadVecs]) {
   for (int64_t s = 0; s < S; ++s) {
     const float* vrow = v_rows[s] + off;
     for (int64_t d = 0; d < hv; ++d) {
@@ -263,7 +119,7 @@ inline void add_deinterleaved(__m512* acc, __m512 lo, __m512 hi) {
 // they lived on the stack, and this loop ran at ~70 cycles per pair of positions).
 template <int G, int C>
 void accumulate_pairs(const at::BFloat16* const* v_rows, int64_t off, const uint16_t* pbf, int64_t S_pad,
-                      int64_t pairs_end, int64_t gcount, __m512 (*acc)[8]) {
+                      int64_t pairs_end, int64_t gcount, __m512 (*acc)[kHeadVecs]) {
   __m512 lo[G][C], hi[G][C];
 #pragma GCC unroll 8
   for (int j = 0; j < G; ++j)
@@ -304,7 +160,7 @@ void accumulate_pairs(const at::BFloat16* const* v_rows, int64_t off, const uint
 // bf16 probabilities in rows of S_pad (from exp_to_bf16), so a pair (p[s], p[s+1]) is one
 // 32-bit broadcast.
 inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, const uint16_t* pbf, int64_t S_pad,
-                              int64_t S, int64_t g, int64_t hv, __m512 (*acc)[8]) {
+                              int64_t S, int64_t g, int64_t hv, __m512 (*acc)[kHeadVecs]) {
   const int64_t chunks = hv / 2;  // 32 bf16 per chunk
   const int64_t pairs_end = S / 2 * 2;
   // Heads in groups small enough for the accumulators to fit the 32 vector registers, of a
@@ -317,7 +173,7 @@ inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, co
   for (int64_t j0 = 0; j0 < g; j0 += group) {
     const int64_t n = std::min(group, g - j0);
     const uint16_t* p = pbf + j0 * S_pad;
-    __m512 (*a)[8] = acc + j0;
+    __m512 (*a)[kHeadVecs] = acc + j0;
     switch (chunks * 16 + group) {
       case 16 + 8: accumulate_pairs<8, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
       case 16 + 7: accumulate_pairs<7, 1>(v_rows, off, p, S_pad, pairs_end, n, a); break;
@@ -475,7 +331,7 @@ void amx_scores(const at::BFloat16* const* k_rows, int64_t off, int64_t S, int64
 // Tiles: 0 = A, 1 = B, 2..5 = C (lo/hi columns of up to two 32-feature chunks).
 template <int Chunks>
 void amx_values_pass(const at::BFloat16* const* v_rows, int64_t off, int64_t c_first, const uint16_t* pbf,
-                     int64_t ld_p, int64_t S, int64_t g, __m512 (*acc)[8]) {
+                     int64_t ld_p, int64_t S, int64_t g, __m512 (*acc)[kHeadVecs]) {
   off += c_first * 32;
   _tile_zero(2);
   _tile_zero(3);
@@ -551,15 +407,16 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
                            const int32_t* context_lens, T* out, int64_t B, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, bool use_amx) {
   const int64_t g = num_heads / num_kv_heads;
-  TORCH_CHECK(g <= kMaxG, "at most 16 query heads per KV head");
-  TORCH_CHECK((std::is_same_v<T, float>) || head_dim % 32 == 0, "bf16 decode attention: head_dim % 32 == 0");
+  TORCH_CHECK(g <= kMaxG, "paged_decode_attention: at most ", kMaxG, " query heads per KV head, got ", g);
+  TORCH_CHECK((std::is_same_v<T, float>) || head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0,
+              "bf16 decode attention: head_dim % ", kDecodeAttentionHeadDimMultipleBf16, " == 0");
   const int64_t slot_stride = num_kv_heads * head_dim;  // elements per pool slot
   const int64_t hv = head_dim / 16;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> k_rows, v_rows, next_k_rows, next_v_rows;
     __m512 dots[16];
-    alignas(64) uint16_t qb[4 * 512];  // the query heads' B tiles (AMX path)
+    alignas(64) uint16_t qb[kMaxChunks * 512];  // the query heads' B tiles (AMX path)
     if (use_amx) configure_full_tiles(6);  // 0 = C, 1 = A, 2..5 = B
     // slot addresses of a request's positions, walking its block table (no division per position)
     auto slot_rows = [&](int64_t req, std::vector<const T*>& ks, std::vector<const T*>& vs) {
@@ -617,7 +474,7 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
             prefetch_row(next_v_rows[next_cursor]);
           }
         };
-        __m512 acc[kMaxG][8];
+        __m512 acc[kMaxG][kHeadVecs];
         for (int64_t j = 0; j < g; ++j)
           for (int64_t d = 0; d < hv; ++d) acc[j][d] = _mm512_setzero_ps();
         if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -687,8 +544,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtypes");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 128, "head_dim must be a multiple of 16, at most 128");
-  TORCH_CHECK(q.scalar_type() != at::kBFloat16 || head_dim % 32 == 0, "bf16: head_dim must be a multiple of 32");
+  TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleFp32 == 0 && head_dim <= kDecodeAttentionMaxHeadDim,
+              "paged_decode_attention: head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleFp32,
+              ", at most ", kDecodeAttentionMaxHeadDim, ", got ", head_dim);
+  TORCH_CHECK(q.scalar_type() != at::kBFloat16 || head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0,
+              "paged_decode_attention: bf16 head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleBf16,
+              ", got ", head_dim);
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -710,316 +571,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                  false);
   }
   return out;
-}
-
-// ---- fused elementwise steps of a layer -----------------------------------------------------
-
-// Calls f with a value of the element type (float or at::BFloat16) of `type`.
-template <typename F>
-void dispatch_f32_bf16(at::ScalarType type, const char* name, F&& f) {
-  if (type == at::kFloat) {
-    f(float{});
-  } else if (type == at::kBFloat16) {
-    f(at::BFloat16{});
-  } else {
-    TORCH_CHECK(false, name, ": float32 or bfloat16 only, got ", type);
-  }
-}
-// Each replaces 5-10 small torch ops whose per-call overhead dominates at decode sizes.
-
-namespace {
-
-template <typename T>
-void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps) {
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    __m512 v = load16(x + d);
-    ss = _mm512_fmadd_ps(v, v, ss);
-  }
-  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / D + eps);
-  const __m512 invb = _mm512_set1_ps(inv);
-  for (int64_t d = 0; d < D; d += 16) {
-    // normalise in fp32, round to the model dtype, then scale (the reference's order)
-    __m512 n = _mm512_mul_ps(load16(x + d), invb);
-    if constexpr (std::is_same_v<T, at::BFloat16>) n = round_bf16(n);
-    store16(out + d, _mm512_mul_ps(n, load16(w + d)));
-  }
-}
-
-template <typename T>
-void add_rows(T* residual, const T* x, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) store16(residual + d, _mm512_add_ps(load16(residual + d), load16(x + d)));
-}
-
-}  // namespace
-
-// out = RMSNorm(x) · weight; with `residual`: residual += x first (in place) and the norm
-// reads the updated residual, as the decoder layer's pre-norm residual stream does.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "rms_norm: [T, D] contiguous, D % 16 == 0");
-  const int64_t T_ = x.size(0), D = x.size(1);
-  auto out = torch::empty_like(x);
-  dispatch_f32_bf16(x.scalar_type(), "rms_norm", [&](auto tag) {
-      using T = decltype(tag);
-      T* res = residual ? residual->data_ptr<T>() : nullptr;
-      at::parallel_for(0, T_, 64, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          const T* src = x.data_ptr<T>() + t * D;
-          if (res) { add_rows(res + t * D, src, D); src = res + t * D; }
-          rms_norm_row(src, weight.data_ptr<T>(), out.data_ptr<T>() + t * D, D, static_cast<float>(eps));
-        }
-      });
-  });
-  return out;
-}
-
-namespace {
-
-template <typename T>
-void rope_row(const T* src, T* dst, const float* cos, const float* sin, int64_t H) {
-  // rotate-half: out[i] = x[i]·cos[i] − x[i+H/2]·sin[i]; out[i+H/2] = x[i+H/2]·cos[i] + x[i]·sin[i]
-  const int64_t half = H / 2;
-  for (int64_t i = 0; i < half; i += 16) {
-    __m512 a = load16(src + i), b = load16(src + half + i);
-    __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
-    store16(dst + i, _mm512_fnmadd_ps(b, s, _mm512_mul_ps(a, c)));
-    store16(dst + half + i, _mm512_fmadd_ps(a, s, _mm512_mul_ps(b, c)));
-  }
-}
-
-template <typename T>
-void copy_row(const T* src, T* dst, int64_t H) {
-  for (int64_t i = 0; i < H; i += 16) store16(dst + i, load16(src + i));
-}
-
-}  // namespace
-
-// qkv: [T, (N_q + 2 N_kv) · H] from the fused projection. Applies RoPE to Q and K (cos/sin
-// tables [max_pos, H/2] fp32), writes K and V into their pool slots, returns Q [T, N_q, H].
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
-                             torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "rope_and_cache: contiguous");
-  TORCH_CHECK(head_dim % 32 == 0, "rope_and_cache: head_dim % 32 == 0");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "int64 positions/slots");
-  const int64_t T_ = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
-  auto q = torch::empty({T_, num_heads, head_dim}, qkv.options());
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const float* cos = cos_table.data_ptr<float>();
-  const float* sin = sin_table.data_ptr<float>();
-  dispatch_f32_bf16(qkv.scalar_type(), "rope_and_cache", [&](auto tag) {
-      using T = decltype(tag);
-      at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          const T* row = qkv.data_ptr<T>() + t * width;
-          const float* c = cos + pos[t] * half; const float* s_ = sin + pos[t] * half;
-          for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * head_dim, q.data_ptr<T>() + (t * num_heads + h) * head_dim, c, s_, head_dim);
-          T* kdst = k_pool.data_ptr<T>() + slots[t] * num_kv_heads * head_dim;
-          T* vdst = v_pool.data_ptr<T>() + slots[t] * num_kv_heads * head_dim;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            rope_row(row + (num_heads + h) * head_dim, kdst + h * head_dim, c, s_, head_dim);
-            copy_row(row + (num_heads + num_kv_heads + h) * head_dim, vdst + h * head_dim, head_dim);
-          }
-        }
-      });
-  });
-  return q;
-}
-
-// gate_up: [T, 2F] → silu(gate) · up: [T, F]
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % 32 == 0, "silu_and_mul: [T, 2F] contiguous, F % 16 == 0");
-  const int64_t T_ = gate_up.size(0), F_ = gate_up.size(1) / 2;
-  auto out = torch::empty({T_, F_}, gate_up.options());
-  dispatch_f32_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
-      using T = decltype(tag);
-      at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          const T* g = gate_up.data_ptr<T>() + t * 2 * F_; T* o = out.data_ptr<T>() + t * F_;
-          for (int64_t i = 0; i < F_; i += 16)
-            // the reference rounds silu(gate) to the model dtype before the product
-            store16(o + i, silu_mul16(load16(g + i), load16(g + F_ + i), std::is_same_v<T, at::BFloat16>));
-        }
-      });
-  });
-  return out;
-}
-
-// ---- greedy sampling ---------------------------------------------------------------------
-
-namespace {
-
-template <typename T>
-int64_t argmax_row(const T* x, int64_t n) {
-  // per-lane running max and the first index reaching it; ties keep the lowest index
-  const int64_t nv = n / 16 * 16;
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i best_idx = _mm512_setzero_si512();
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  for (int64_t i = 0; i < nv; i += 16) {
-    __m512 v = load16(x + i);
-    __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
-    idx = _mm512_add_epi32(idx, step);
-  }
-  alignas(64) float vals[16];
-  alignas(64) int32_t ids[16];
-  _mm512_store_ps(vals, best);
-  _mm512_store_si512(ids, best_idx);
-  float top = -INFINITY;
-  int64_t arg = 0;
-  for (int lane = 0; lane < 16; ++lane)
-    if (vals[lane] > top || (vals[lane] == top && ids[lane] < arg)) { top = vals[lane]; arg = ids[lane]; }
-  for (int64_t i = nv; i < n; ++i) {
-    float v = static_cast<float>(x[i]);
-    if (v > top) { top = v; arg = i; }
-  }
-  return arg;
-}
-
-}  // namespace
-
-// Row-wise argmax of logits [R, V] (ties → lowest index, as torch.argmax).
-torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "argmax_rows: [R, V] contiguous");
-  const int64_t R = x.size(0), V = x.size(1);
-  auto out = torch::empty({R}, x.options().dtype(at::kLong));
-  auto* o = out.data_ptr<int64_t>();
-  if (x.scalar_type() == at::kBFloat16) {
-    const auto* p = x.data_ptr<at::BFloat16>();
-    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * V, V); });
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows: bf16 or fp32");
-    const auto* p = x.data_ptr<float>();
-    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * V, V); });
-  }
-  return out;
-}
-
-// ---- a whole decode step's layers in one call ------------------------------------------------
-
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed);
-torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-
-namespace {
-
-// Which packed copies decode_layers gets in each layer's slots 7-10 (see below).
-enum class Packed { kNone, kAmx, kOneDnn };
-
-Packed parse_packed(const std::string& kind) {
-  if (kind == "amx") return Packed::kAmx;
-  if (kind == "onednn") return Packed::kOneDnn;
-  TORCH_CHECK(kind == "none", "decode_layers: packed must be amx, onednn or none, got ", kind);
-  return Packed::kNone;
-}
-
-// oneDNN's linear on a weight it packed (torch.ops.mkldnn._linear_pointwise), the call
-// kvserve.model.linear.Linear makes from Python on CPUs without AMX. Boxed, so no C++
-// signature of ours has to match the operator's registration.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
-  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(packed);
-  stack.emplace_back(bias.defined() && bias.numel() > 0 ? c10::IValue(bias) : c10::IValue());
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-// x · wᵀ (+ bias, if not empty) for a decode batch, as kvserve.model.linear.Linear computes
-// it: the GEMV kernel up to 8 rows (bias added to the bf16 result; on the VNNI copy where
-// `w` is one, 4-D), beyond that the AMX kernel (bias added in fp32) or oneDNN on their
-// packed copies.
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed, Packed kind,
-                      const torch::Tensor& bias = torch::Tensor()) {
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  if (x.size(0) <= 8) {
-    torch::Tensor y = w.dim() == 4 ? gemv_vnni(x, w) : gemv_bf16(x, w);
-    return has_bias ? y.add_(bias) : y;
-  }
-  if (kind == Packed::kOneDnn) return onednn_linear(x, packed, bias);
-  return amx_linear(x, packed, has_bias ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
-}
-
-}  // namespace
-
-// Every decoder layer for a batch of decode tokens (one new position per request, bf16):
-// the same kernels the Python layer calls, in the same order, without returning to Python
-// between them. At batch 1 the ~300 Python-level calls of a step cost as much as a third
-// of the weight-streaming time; at batch 64 they are still ~5% of the step. This is the
-// CPU's answer to what CUDA graphs do for launch overhead. `layers` holds, per layer:
-// input norm, QKV weight, QKV bias (empty if none), O, post-attention norm, gate_up, down
-// (the four weights row-major, or each as its VNNI copy for gemv_vnni), then the packed
-// QKV, O, gate_up and down that `packed` names: "amx" (gate_up with its
-// gate and up blocks interleaved, for amx_linear_silu_mul), "onednn" (oneDNN's layout), or
-// "none" (empty tensors; only batches of <= 8 rows then).
-// Returns the residual stream after the last layer (before the final norm).
-torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_pools,
-                            std::vector<torch::Tensor> v_pools, torch::Tensor positions, torch::Tensor cos_half,
-                            torch::Tensor sin_half, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                            torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            double eps, double scale, const std::string& packed) {
-  constexpr size_t kPerLayer = 11;
-  TORCH_CHECK(layers.size() == k_pools.size() * kPerLayer && k_pools.size() == v_pools.size(), "decode_layers: weights");
-  const int64_t B = h.size(0);
-  const Packed kind = parse_packed(packed);
-  TORCH_CHECK(B <= 8 || (kind != Packed::kNone && layers[7].numel() > 0),
-              "decode_layers: more than 8 rows need packed weights");
-  torch::Tensor residual;
-  for (size_t l = 0; l < k_pools.size(); ++l) {
-    const torch::Tensor* w = &layers[l * kPerLayer];
-    torch::Tensor x = residual.defined() ? rms_norm(h, w[0], eps, residual) : rms_norm(h, w[0], eps, c10::nullopt);
-    if (!residual.defined()) residual = h;
-    torch::Tensor qkv = project(x, w[1], w[7], kind, w[2]);
-    torch::Tensor q = rope_and_cache(qkv, positions, cos_half, sin_half, k_pools[l], v_pools[l], slot_mapping,
-                                     num_heads, num_kv_heads, head_dim);
-    torch::Tensor attn = paged_decode_attention(q, k_pools[l], v_pools[l], block_tables, context_lens, scale);
-    torch::Tensor o = project(attn.view({B, num_heads * head_dim}), w[3], w[8], kind);
-    x = rms_norm(o, w[4], eps, residual);
-    torch::Tensor hidden = B > 8 && kind == Packed::kAmx ? amx_linear_silu_mul(x, w[9])
-                                                         : silu_and_mul(project(x, w[5], w[9], kind));
-    h = project(hidden, w[6], w[10], kind);
-  }
-  return residual.add_(h);
-}
-
-// amx_linear.cpp
-torch::Tensor amx_pack_weight(torch::Tensor w);
-// prefill_attention.cpp
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                             torch::Tensor segments, double scale, torch::Tensor out);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
-  m.def("set_amx_attention", &set_amx_attention, "use AMX for decode and prefill attention where available (default on)");
-  m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
-  m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
-        "silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-column blocks interleaved");
-  m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) on AMX tiles", py::arg("x"), py::arg("packed"),
-        py::arg("bias") = py::none());
-  m.def("amx_linear_argmax", &amx_linear_argmax,
-        "argmax over each row of x @ w.T (+ bias) rounded to bf16, without writing the product (at most 128 rows)",
-        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
-  m.def("decode_layers", &decode_layers, "all decoder layers of a small decode batch, in C++");
-  m.def("argmax_rows", &argmax_rows, "row-wise argmax, ties to the lowest index");
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after residual += x (in place)",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("rope_and_cache", &rope_and_cache, "RoPE on Q and K, K/V written to their slots; returns Q");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");
-  m.def("gemv_vnni", &gemv_vnni, "y = x @ w.T for small M, bf16, on amx_pack_weight(w)");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
-        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
-  m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of prompt tokens over the paged KV pool on AMX tiles, into out",
-        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("segments"), py::arg("scale"),
-        py::arg("out"));
 }

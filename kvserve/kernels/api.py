@@ -1,0 +1,267 @@
+"""The compiled CPU kernel module, declared with types: what `kvserve.kernels.cpu_ops()` returns.
+
+Declaration only (nothing here runs a kernel): `CpuOps` lists every name the module binds
+(kernels/bindings.cpp), with its signature as pybind11 exposes it (parameters without a
+name in the binding are positional-only) and a line on what it does; `Projection`,
+`DecodeLayer` and `DecodeModel` are its classes (the structs of kernels/kernels.h), whose
+constructors take keywords only. Tensors a Projection lacks are None. The shape limits
+behind each kernel's checks come from `limits()`; kernels.h says what each key means.
+tests/kernels/test_bindings.py keeps this list and the module's in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Projection(Protocol):
+    """One projection y = x·Wᵀ (+ b) as its kernels read it, filled once per weight by the linear method."""
+
+    def __init__(
+        self,
+        *,
+        weight: torch.Tensor | None = None,
+        gemv: torch.Tensor | None = None,
+        amx: torch.Tensor | None = None,
+        onednn: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        gemv_max_rows: int = 0,
+        amx_max_rows: int = 0,
+        silu_interleaved: bool = False,
+    ) -> None: ...
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """Row-major [N, K] bf16; None where no kernel reads it."""
+
+    @property
+    def gemv(self) -> torch.Tensor | None:
+        """amx_pack_weight(W) for gemv_vnni; None: gemv_bf16 reads `weight`."""
+
+    @property
+    def amx(self) -> torch.Tensor | None:
+        """AMX tiles for amx_linear (with silu_interleaved: the gate/up-interleaved pack for amx_linear_silu_mul)."""
+
+    @property
+    def onednn(self) -> torch.Tensor | None:
+        """oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight)."""
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """[N] bias, or None."""
+
+    @property
+    def gemv_max_rows(self) -> int:
+        """1..gemv_max_rows rows go to the GEMV; 0: no GEMV."""
+
+    @property
+    def amx_max_rows(self) -> int:
+        """(gemv_max_rows, amx_max_rows] rows go to the AMX kernel; 0: no AMX."""
+
+    @property
+    def silu_interleaved(self) -> bool:
+        """`amx` holds [gate; up] with their 16-row blocks interleaved."""
+
+
+class DecodeLayer(Protocol):
+    """One decoder layer's RMSNorm weights and projections, as decode_layers runs them."""
+
+    def __init__(
+        self,
+        *,
+        input_norm: torch.Tensor,
+        post_attention_norm: torch.Tensor,
+        qkv: Projection,
+        o: Projection,
+        gate_up: Projection,
+        down: Projection,
+    ) -> None: ...
+
+    @property
+    def input_norm(self) -> torch.Tensor:
+        """RMSNorm weight before attention."""
+
+    @property
+    def post_attention_norm(self) -> torch.Tensor:
+        """RMSNorm weight before the MLP."""
+
+    @property
+    def qkv(self) -> Projection:
+        """The fused Q, K, V projection."""
+
+    @property
+    def o(self) -> Projection:
+        """The attention output projection."""
+
+    @property
+    def gate_up(self) -> Projection:
+        """The fused [gate; up] projection (linear_silu_mul)."""
+
+    @property
+    def down(self) -> Projection:
+        """The MLP's down projection."""
+
+
+class DecodeModel(Protocol):
+    """Every layer, the KV pools and the shapes of one loaded model (rebuilt when the pools are rebound)."""
+
+    def __init__(
+        self,
+        *,
+        layers: Sequence[DecodeLayer],
+        k_pools: Sequence[torch.Tensor],
+        v_pools: Sequence[torch.Tensor],
+        cos_half: torch.Tensor,
+        sin_half: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None: ...
+
+    @property
+    def layers(self) -> list[DecodeLayer]:
+        """The decoder layers, in order."""
+
+    @property
+    def k_pools(self) -> list[torch.Tensor]:
+        """Each layer's K pool [num_blocks, block_size, N_kv, H]."""
+
+    @property
+    def v_pools(self) -> list[torch.Tensor]:
+        """Each layer's V pool, shaped as its K pool."""
+
+    @property
+    def cos_half(self) -> torch.Tensor:
+        """RoPE cosines [max_pos, H/2] fp32."""
+
+    @property
+    def sin_half(self) -> torch.Tensor:
+        """RoPE sines [max_pos, H/2] fp32."""
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads."""
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads."""
+
+    @property
+    def head_dim(self) -> int:
+        """Features per head."""
+
+    @property
+    def eps(self) -> float:
+        """RMSNorm epsilon."""
+
+    @property
+    def scale(self) -> float:
+        """Attention scale (head_dim ** -0.5)."""
+
+
+class CpuOps(Protocol):
+    """Every name the compiled module binds."""
+
+    Projection: type[Projection]
+    DecodeLayer: type[DecodeLayer]
+    DecodeModel: type[DecodeModel]
+
+    def limits(self) -> dict[str, int]:
+        """Every shape limit the kernels enforce, by snake_case key (kernels.h lists what each means)."""
+
+    def amx_available(self) -> bool:
+        """AMX-BF16 present and granted to this process."""
+
+    def set_amx_attention(self, enabled: bool, /) -> None:
+        """Use AMX for decode and prefill attention where available (default on; tests switch it off)."""
+
+    def amx_pack_weight(self, w: torch.Tensor, /) -> torch.Tensor:
+        """[N, K] bf16 weight -> VNNI tiles [N/16, K/32, 16, 32] for the AMX kernels and gemv_vnni."""
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ w.T (+ bias) on AMX tiles."""
+
+    def amx_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, /) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-row blocks interleaved."""
+
+    def amx_linear_argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's argmax of x @ w.T (+ bias) rounded to bf16, without writing the product (amx_argmax_max_rows rows at most)."""
+
+    def gemv_bf16(self, x: torch.Tensor, w: torch.Tensor, /) -> torch.Tensor:
+        """y = x @ w.T for 1..gemv_max_rows rows, bf16, w row-major."""
+
+    def gemv_vnni(self, x: torch.Tensor, packed: torch.Tensor, /) -> torch.Tensor:
+        """y = x @ w.T for 1..gemv_max_rows rows, bf16, on amx_pack_weight(w)."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """RMSNorm(x) * weight; with residual, residual += x first (in place) and the norm reads it."""
+
+    def rope_and_cache(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        /,
+    ) -> torch.Tensor:
+        """RoPE on Q and K of the fused QKV rows, K/V written to their pool slots; returns Q [T, N_q, H]."""
+
+    def silu_and_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
+        """[T, 2F] -> silu(gate) * up, [T, F]."""
+
+    def argmax_rows(self, x: torch.Tensor, /) -> torch.Tensor:
+        """Row-wise argmax of [R, V], ties to the lowest index (int64 [R])."""
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One new query per request over its cached positions, read from the paged pool; [B, N_q, H]."""
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        segments: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Causal attention of prompt tokens over the paged pool, written into out at the segments' rows."""
+
+    def linear(self, x: torch.Tensor, projection: Projection) -> torch.Tensor:
+        """y = x @ W.T (+ b), the kernel chosen by x's rows from the projection's fields (kernels.h)."""
+
+    def linear_silu_mul(self, x: torch.Tensor, projection: Projection) -> torch.Tensor:
+        """silu(gate) * up of a [gate; up] projection of x: the fused AMX kernel where it applies, else linear then silu_and_mul."""
+
+    def decode_layers(
+        self,
+        model: DecodeModel,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every decoder layer of a decode batch in one call; the residual stream after the last (before the final norm)."""

@@ -1,0 +1,112 @@
+// The Python module (kvserve.kernels.cpu_ops()): every kernel kernels.h declares, the
+// decode step's Projection / DecodeLayer / DecodeModel, and limits(). Declared, typed, in
+// kvserve/kernels/api.py (tests/kernels/test_bindings.py keeps the two in step). Tensors a
+// Projection may lack are None in Python and undefined in C++.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+using MaybeTensor = c10::optional<torch::Tensor>;
+
+torch::Tensor or_undefined(const MaybeTensor& t) { return t ? *t : torch::Tensor(); }
+
+// a readable attribute that is None for an undefined tensor
+template <typename Class>
+auto maybe(torch::Tensor Class::*field) {
+  return [field](const Class& self) -> MaybeTensor {
+    const torch::Tensor& t = self.*field;
+    return t.defined() ? MaybeTensor(t) : c10::nullopt;
+  };
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
+  m.def("set_amx_attention", &set_amx_attention, "use AMX for decode and prefill attention where available (default on)");
+  m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
+  m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
+        "silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-column blocks interleaved");
+  m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) on AMX tiles", py::arg("x"), py::arg("packed"),
+        py::arg("bias") = py::none());
+  m.def("amx_linear_argmax", &amx_linear_argmax,
+        "argmax over each row of x @ w.T (+ bias) rounded to bf16, without writing the product (at most 128 rows)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax, ties to the lowest index");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after residual += x (in place)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("rope_and_cache", &rope_and_cache, "RoPE on Q and K, K/V written to their slots; returns Q");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");
+  m.def("gemv_vnni", &gemv_vnni, "y = x @ w.T for small M, bf16, on amx_pack_weight(w)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prompt tokens over the paged KV pool on AMX tiles, into out",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("segments"), py::arg("scale"),
+        py::arg("out"));
+  m.def(
+      "limits",
+      [] {
+        py::dict limits;
+        for (const KernelLimit& limit : kKernelLimits) limits[limit.key] = limit.value;
+        return limits;
+      },
+      "every shape limit the kernels enforce, by name (see kernels.h)");
+  m.def("linear", &linear, "y = x @ W.T (+ b) by the rows of x, on the projection's copies of W", py::arg("x"),
+        py::arg("projection"));
+  m.def("linear_silu_mul", &linear_silu_mul, "silu(gate) * up of a [gate; up] projection of x", py::arg("x"),
+        py::arg("projection"));
+  m.def("decode_layers", &decode_layers,
+        "every decoder layer of a decode batch in one call; the residual stream after the last (before the final norm)",
+        py::arg("model"), py::arg("h"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
+        py::arg("context_lens"));
+
+  py::class_<Projection>(m, "Projection", "one projection y = x @ W.T (+ b) as its kernels read it (kernels.h)")
+      .def(py::init([](const MaybeTensor& weight, const MaybeTensor& gemv, const MaybeTensor& amx, const MaybeTensor& onednn,
+                       const MaybeTensor& bias, int64_t gemv_max_rows, int64_t amx_max_rows, bool silu_interleaved) {
+             return Projection{or_undefined(weight), or_undefined(gemv), or_undefined(amx), or_undefined(onednn),
+                               or_undefined(bias), gemv_max_rows, amx_max_rows, silu_interleaved};
+           }),
+           py::kw_only(), py::arg("weight") = py::none(), py::arg("gemv") = py::none(), py::arg("amx") = py::none(),
+           py::arg("onednn") = py::none(), py::arg("bias") = py::none(), py::arg("gemv_max_rows") = 0,
+           py::arg("amx_max_rows") = 0, py::arg("silu_interleaved") = false)
+      .def_property_readonly("weight", maybe(&Projection::weight))
+      .def_property_readonly("gemv", maybe(&Projection::gemv))
+      .def_property_readonly("amx", maybe(&Projection::amx))
+      .def_property_readonly("onednn", maybe(&Projection::onednn))
+      .def_property_readonly("bias", maybe(&Projection::bias))
+      .def_readonly("gemv_max_rows", &Projection::gemv_max_rows)
+      .def_readonly("amx_max_rows", &Projection::amx_max_rows)
+      .def_readonly("silu_interleaved", &Projection::silu_interleaved);
+
+  py::class_<DecodeLayer>(m, "DecodeLayer", "one decoder layer's norms and projections, for decode_layers")
+      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection>(), py::kw_only(),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"))
+      .def_readonly("input_norm", &DecodeLayer::input_norm)
+      .def_readonly("post_attention_norm", &DecodeLayer::post_attention_norm)
+      .def_readonly("qkv", &DecodeLayer::qkv)
+      .def_readonly("o", &DecodeLayer::o)
+      .def_readonly("gate_up", &DecodeLayer::gate_up)
+      .def_readonly("down", &DecodeLayer::down);
+
+  py::class_<DecodeModel>(m, "DecodeModel", "every layer, the KV pools and the shapes decode_layers runs on")
+      .def(py::init<std::vector<DecodeLayer>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
+                    torch::Tensor, int64_t, int64_t, int64_t, double, double>(),
+           py::kw_only(), py::arg("layers"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos_half"),
+           py::arg("sin_half"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"))
+      .def_readonly("layers", &DecodeModel::layers)
+      .def_readonly("k_pools", &DecodeModel::k_pools)
+      .def_readonly("v_pools", &DecodeModel::v_pools)
+      .def_readonly("cos_half", &DecodeModel::cos_half)
+      .def_readonly("sin_half", &DecodeModel::sin_half)
+      .def_readonly("num_heads", &DecodeModel::num_heads)
+      .def_readonly("num_kv_heads", &DecodeModel::num_kv_heads)
+      .def_readonly("head_dim", &DecodeModel::head_dim)
+      .def_readonly("eps", &DecodeModel::eps)
+      .def_readonly("scale", &DecodeModel::scale);
+}

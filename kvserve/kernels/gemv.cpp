@@ -1,0 +1,161 @@
+// y[M, N] = x[M, K] · w[N, K]ᵀ for small M (batch-1..8 decode), bf16 weights streamed once
+// with AVX512-BF16 dot products, fp32 accumulation: gemv_bf16 on the row-major weight,
+// gemv_vnni on its VNNI-tile copy (amx_pack_weight's layout) for CPUs without AMX. At these
+// sizes PyTorch's generic path reads far below the machine's bandwidth.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+#include "vec_math.h"
+
+namespace {
+
+constexpr int kRows = 4;  // weight rows per inner step: each x load feeds 4 dot products
+
+template <int M>
+void gemv_block(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t K, int64_t N,
+                int64_t n_begin, int64_t n_end) {
+  const int64_t k_vec = K / 32 * 32;
+  for (int64_t n = n_begin; n < n_end; n += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, n_end - n));
+    __m512 acc[M][kRows];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_vec; k += 32) {
+      __m512bh wv[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        const at::BFloat16* row = w + (n + (r < rows ? r : 0)) * K + k;
+        _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K), _MM_HINT_T0);
+        wv[r] = (__m512bh)_mm512_loadu_si512(row);
+      }
+      for (int m = 0; m < M; ++m) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int r = 0; r < rows; ++r) {
+        float sum = _mm512_reduce_add_ps(acc[m][r]);
+        for (int64_t k = k_vec; k < K; ++k)
+          sum += static_cast<float>(x[m * K + k]) * static_cast<float>(w[(n + r) * K + k]);
+        y[m * N + n + r] = to_bf16(sum);
+      }
+    }
+  }
+}
+
+template <int M>
+void gemv_dispatch(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t K, int64_t N) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    gemv_block<M>(x, w, y, K, N, b0 * kRows, std::min(N, b1 * kRows));
+  });
+}
+
+// y[M, N] = x[M, K] · wᵀ for small M on the VNNI-tile copy of w (amx_pack_weight's layout:
+// per block of 16 output columns, K/32 tiles of 16 rows of pairs, one block contiguous),
+// for CPUs without AMX. Each 64-byte tile row holds one pair of input features for all 16
+// columns, so a broadcast pair of x times that row is one VDPBF16PS into the 16 columns'
+// sums: the weights stream strictly in order and no horizontal sums are left. Row-major,
+// gemv_block reads 4 rows 1,152 bytes apart (K = 576); on a Zen 4 it streamed the 30
+// layers' projections at ~22 GB/s where this layout read ~39 (one row, from memory).
+// C independent sums per row hide VDPBF16PS's latency when M alone cannot.
+template <int M, int C>
+void gemv_vnni_blocks(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N,
+                      int64_t nb0, int64_t nb1) {
+  const int64_t tiles = K / 32;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    __m512 acc[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+    const at::BFloat16* tile = wp + nb * tiles * 512;
+    for (int64_t kb = 0; kb < tiles; ++kb, tile += 512) {
+#pragma GCC unroll 4
+      for (int kp = 0; kp < 16; kp += C) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(tile + (kp + c) * 32);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            int32_t pair;  // (x[2kp], x[2kp + 1]) of this tile's 32 features, low half first like w's pairs
+            std::memcpy(&pair, x + m * K + kb * 32 + 2 * (kp + c), sizeof(pair));
+            acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(pair), wv);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 sum = acc[m][0];
+      for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, acc[m][c]);
+      store16(y + m * N + nb * 16, sum);
+    }
+  }
+}
+
+template <int M>
+void gemv_vnni_dispatch(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N) {
+  constexpr int C = M == 1 ? 4 : M == 2 ? 2 : 1;
+  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) { gemv_vnni_blocks<M, C>(x, wp, y, K, N, b0, b1); });
+}
+
+// f(std::integral_constant<int, M>{}) for 1 <= M <= 8: the GEMVs' row count as a template
+// argument, so their accumulators stay in registers.
+static_assert(kGemvMaxRows == 8, "with_rows instantiates 1..8 rows: a new gemv_max_rows needs its cases");
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// y [M, N] bf16 for x [M, K] bf16 (contiguous), 1 <= M <= kGemvMaxRows: kernel(rows, x, y)
+// with the row count as a std::integral_constant (with_rows).
+template <typename Kernel>
+torch::Tensor small_m(const char* name, const torch::Tensor& x, int64_t N, Kernel&& kernel) {
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M >= 1 && M <= kGemvMaxRows, name, ": 1 <= M <= ", kGemvMaxRows, ", got ", M);
+  auto y = torch::empty({M, N}, x.options());
+  auto* xp = x.data_ptr<at::BFloat16>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  with_rows(M, [&](auto rows) { kernel(rows, xp, yp); });
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: shapes");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t K = x.size(1), N = w.size(0);
+  auto* wp = w.data_ptr<at::BFloat16>();
+  return small_m("gemv_bf16", x, N, [&](auto rows, const at::BFloat16* xp, at::BFloat16* yp) {
+    gemv_dispatch<decltype(rows)::value>(xp, wp, yp, K, N);
+  });
+}
+
+// x: [M <= kGemvMaxRows, K] bf16; packed: amx_pack_weight(w) for w [N, K]. Returns [M, N] bf16.
+torch::Tensor gemv_vnni(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "gemv_vnni: bf16 only");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 && packed.is_contiguous(),
+              "gemv_vnni: packed must come from amx_pack_weight");
+  x = x.contiguous();
+  const int64_t K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(x.dim() == 2 && packed.size(1) * 32 == K, "gemv_vnni: x has ", K, " features, the weight ", packed.size(1) * 32);
+  auto* wp = packed.data_ptr<at::BFloat16>();
+  return small_m("gemv_vnni", x, N, [&](auto rows, const at::BFloat16* xp, at::BFloat16* yp) {
+    gemv_vnni_dispatch<decltype(rows)::value>(xp, wp, yp, K, N);
+  });
+}

@@ -1,0 +1,164 @@
+// Everything the kernel sources export, declared once: to each other (the fused decode
+// step calls the same kernels Python does) and to bindings.cpp, which binds them all.
+//
+//   gemv.cpp               gemv_bf16, gemv_vnni: small-M GEMV (decode of 1..8 requests)
+//   amx_linear.cpp         amx_available, amx_pack_weight, amx_linear(_silu_mul, _argmax)
+//   decode_attention.cpp   paged_decode_attention, set_amx_attention, amx_attention_on
+//   prefill_attention.cpp  paged_prefill_attention
+//   norm_rope_act.cpp      rms_norm, rope_and_cache, silu_and_mul
+//   argmax.cpp             argmax_rows
+//   linear.cpp             linear, linear_silu_mul: one Projection's dispatch by row count
+//   fused_decode.cpp       decode_layers: every decoder layer of a decode step in one call
+//   bindings.cpp           the Python module (kvserve/kernels/api.py declares it, typed)
+//
+// Each kernel streams or tiles with vectors of a fixed shape, so each refuses shapes off
+// its grid with a TORCH_CHECK. Those limits are named here, used by the checks, and exported
+// to Python as limits(), a dict with these keys, so that kvserve decides once per model which
+// kernels it may use and a model outside them takes the plain-torch path instead of meeting
+// a RuntimeError in the middle of a step:
+//   gemv_max_rows                             most rows of x gemv_bf16 / gemv_vnni take (1..this)
+//   decode_attention_max_queries_per_kv_head  num_heads / num_kv_heads paged_decode_attention takes
+//   decode_attention_max_head_dim             longest head paged_decode_attention takes
+//   decode_attention_head_dim_multiple_bf16   its head_dim must be a multiple of this with bf16 pools
+//   decode_attention_head_dim_multiple_fp32   ... and of this with fp32 pools
+//   prefill_attention_head_dim_multiple       paged_prefill_attention's head_dim must be a multiple of this
+//   rope_head_dim_multiple                    rope_and_cache's head_dim must be a multiple of this
+//   rms_norm_width_multiple                   rms_norm's width D must be a multiple of this
+//   silu_width_multiple                       silu_and_mul's output width F (input 2F) must be a multiple of this
+//   tile_rows                                 amx_pack_weight's N (weight rows, output features) must be a
+//                                             multiple of this: gemv_vnni's and the AMX kernels' weights; and
+//                                             the intermediate size F for the gate/up interleave of
+//                                             amx_linear_silu_mul (its 16-row blocks)
+//   tile_k                                    amx_pack_weight's K (input features) must be a multiple of this
+//   amx_argmax_max_rows                       most rows amx_linear_argmax takes (its decode-sized loop)
+#pragma once
+#include <torch/extension.h>
+#include <cstdint>
+#include <vector>
+
+// ---- limits -------------------------------------------------------------------------------
+
+inline constexpr int64_t kGemvMaxRows = 8;  // the row count is a template argument (with_rows)
+inline constexpr int64_t kDecodeAttentionMaxQueriesPerKvHead = 16;  // the 16-row A tile of probabilities
+inline constexpr int64_t kDecodeAttentionMaxHeadDim = 128;  // 4 chunks of 32: B tiles 2..5, the instantiations
+inline constexpr int64_t kDecodeAttentionHeadDimMultipleBf16 = 32;  // dpbf16 pairs: 32 bf16 per chunk
+inline constexpr int64_t kDecodeAttentionHeadDimMultipleFp32 = 16;  // one __m512 per 16 features
+inline constexpr int64_t kPrefillAttentionHeadDimMultiple = 32;
+inline constexpr int64_t kRopeHeadDimMultiple = 32;  // each half of the head in vectors of 16
+inline constexpr int64_t kRmsNormWidthMultiple = 16;
+inline constexpr int64_t kSiluWidthMultiple = 16;
+inline constexpr int64_t kWeightTileRows = 16;  // output columns per VNNI tile block
+inline constexpr int64_t kWeightTileK = 32;     // bf16 input features per tile
+inline constexpr int64_t kAmxArgmaxMaxRows = 128;
+
+struct KernelLimit {
+  const char* key;
+  int64_t value;
+};
+// limits() in Python: the keys listed above, in that order
+inline constexpr KernelLimit kKernelLimits[] = {
+    {"gemv_max_rows", kGemvMaxRows},
+    {"decode_attention_max_queries_per_kv_head", kDecodeAttentionMaxQueriesPerKvHead},
+    {"decode_attention_max_head_dim", kDecodeAttentionMaxHeadDim},
+    {"decode_attention_head_dim_multiple_bf16", kDecodeAttentionHeadDimMultipleBf16},
+    {"decode_attention_head_dim_multiple_fp32", kDecodeAttentionHeadDimMultipleFp32},
+    {"prefill_attention_head_dim_multiple", kPrefillAttentionHeadDimMultiple},
+    {"rope_head_dim_multiple", kRopeHeadDimMultiple},
+    {"rms_norm_width_multiple", kRmsNormWidthMultiple},
+    {"silu_width_multiple", kSiluWidthMultiple},
+    {"tile_rows", kWeightTileRows},
+    {"tile_k", kWeightTileK},
+    {"amx_argmax_max_rows", kAmxArgmaxMaxRows},
+};
+
+// ---- gemv.cpp -----------------------------------------------------------------------------
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ, 1 <= M <= kGemvMaxRows, bf16, w row-major
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
+// the same on amx_pack_weight(w) (CPUs without AMX)
+torch::Tensor gemv_vnni(torch::Tensor x, torch::Tensor packed);
+
+// ---- amx_linear.cpp -----------------------------------------------------------------------
+
+// True when this CPU has AMX-BF16 and Linux let this process use the tile registers.
+bool amx_available();
+// w [N, K] bf16 → VNNI tiles [N/16, K/32, 16, 32]
+torch::Tensor amx_pack_weight(torch::Tensor w);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed);
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+
+// ---- decode_attention.cpp -----------------------------------------------------------------
+
+// Tests switch AMX attention off to check the AVX512-BF16 paths of decode and prefill
+// attention on the same machine (default on).
+void set_amx_attention(bool enabled);
+// amx_available() unless a test switched AMX attention off.
+bool amx_attention_on();
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+
+// ---- prefill_attention.cpp ----------------------------------------------------------------
+
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
+                             torch::Tensor segments, double scale, torch::Tensor out);
+
+// ---- norm_rope_act.cpp --------------------------------------------------------------------
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual);
+torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
+                             torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+// ---- argmax.cpp ---------------------------------------------------------------------------
+
+torch::Tensor argmax_rows(torch::Tensor x);
+
+// ---- linear.cpp ---------------------------------------------------------------------------
+
+// One projection y = x·Wᵀ (+ b) as its kernels read it. Filled once per weight by the
+// Python linear method (kvserve/model/linear_methods), which decides every field.
+struct Projection {
+  torch::Tensor weight;          // row-major [N, K] bf16; undefined when no kernel reads it
+  torch::Tensor gemv;            // amx_pack_weight(W) for gemv_vnni; undefined -> gemv_bf16 reads `weight`
+  torch::Tensor amx;             // AMX tiles for amx_linear (or, when silu_interleaved, the gate/up-interleaved pack for amx_linear_silu_mul)
+  torch::Tensor onednn;          // oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight)
+  torch::Tensor bias;            // undefined if none
+  int64_t gemv_max_rows = 0;     // 1..gemv_max_rows rows -> GEMV; 0 = no GEMV
+  int64_t amx_max_rows = 0;      // (gemv_max_rows, amx_max_rows] rows -> AMX; 0 = no AMX
+  bool silu_interleaved = false; // `amx` holds [gate; up] with 16-row blocks interleaved
+};
+
+// y = x·Wᵀ + b, dispatched by x.size(0) (x is [rows, K]):
+//   0 rows -> an empty [0, N] result;
+//   rows <= gemv_max_rows -> gemv_vnni(x, gemv) if gemv defined else gemv_bf16(x, weight), then bias added in place to the bf16 result;
+//   rows <= amx_max_rows and !silu_interleaved -> amx_linear(x, amx, bias);
+//   onednn defined -> the boxed mkldnn::_linear_pointwise(x.contiguous(), onednn, bias, "none", [], "");
+//   otherwise at::linear(x, weight, bias).
+// A branch whose copy is missing (GEMV rows without gemv or weight, AMX rows without amx,
+// the last branch without weight) fails with a message naming the field.
+torch::Tensor linear(const torch::Tensor& x, const Projection& p);
+// silu(gate)·up for a [gate; up] projection: amx_linear_silu_mul(x, amx) when silu_interleaved and
+// gemv_max_rows < rows <= amx_max_rows, else silu_and_mul(linear(x, p)).
+torch::Tensor linear_silu_mul(const torch::Tensor& x, const Projection& p);
+
+// ---- fused_decode.cpp ---------------------------------------------------------------------
+
+struct DecodeLayer {
+  torch::Tensor input_norm, post_attention_norm;  // RMSNorm weights
+  Projection qkv, o, gate_up, down;
+};
+
+struct DecodeModel {  // built once per loaded model (and again when the KV pools are rebound)
+  std::vector<DecodeLayer> layers;
+  std::vector<torch::Tensor> k_pools, v_pools;
+  torch::Tensor cos_half, sin_half;  // RoPE tables [max_pos, H/2] fp32
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+};
+
+// Every decoder layer of a decode batch in one call; returns the residual stream after the
+// last layer (before the final norm).
+torch::Tensor decode_layers(const DecodeModel& model, torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
+                            torch::Tensor block_tables, torch::Tensor context_lens);

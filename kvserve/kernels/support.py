@@ -1,0 +1,251 @@
+"""Which kvserve kernels a loaded model runs, decided once at load, and why not where not.
+
+Every limit a C++ kernel enforces is read from the compiled module (`ops.limits()`, the
+constants in `kernels.h`) and checked here, against the model's shape, dtype and device and
+the machine's features. A kernel whose limits the model falls outside is simply off, and its
+callers take the plain-torch path: no shape reaches a kernel that would refuse it.
+
+The model's parts ask this object, never the machine: `op(name)` hands out the compiled
+module for a kernel that is on (None otherwise), and `plan_projection` says which layouts
+one projection's weight is packed into and which row counts each serves. `kvserve serve`
+prints `describe()` at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvserve.model.arch import ModelArchitecture
+
+# AMX tiles beat oneDNN's packed weight up to this many rows; past it (prefill chunks)
+# oneDNN's blocking wins. SmolLM2's projections, 30 layers, hot cache: AMX 71 / 137 / 292 /
+# 618 ms against F.linear's 82 / 141 / 358 / 540 ms at 256 / 512 / 1024 / 2048 rows.
+AMX_MAX_ROWS = 1024
+# a decode batch of any size runs in one decode_layers call when every projection has a kernel
+UNBOUNDED_ROWS = 1 << 30
+
+# the kernels `op()` hands out, in the order `describe()` lists them
+ELEMENTWISE_KERNELS = ("rms_norm", "rope_and_cache", "silu_and_mul", "argmax_rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """One kernel's verdict for this model: on or off, and the reason either way."""
+
+    enabled: bool
+    reason: str
+
+    @classmethod
+    def on(cls, reason: str) -> "KernelChoice":
+        return cls(True, reason)
+
+    @classmethod
+    def off(cls, reason: str) -> "KernelChoice":
+        return cls(False, reason)
+
+    def __str__(self) -> str:
+        return f"{'on ' if self.enabled else 'off'}  {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionPlan:
+    """The layouts one [N, K] projection is kept in, and the rows each serves.
+
+    Rows 1..gemv_max_rows go to the GEMV (on the VNNI-tile copy where `gemv_vnni`, else on
+    the row-major weight); up to amx_max_rows to the AMX kernel; beyond, oneDNN's packed
+    copy where `onednn`, else F.linear on the row-major weight. `keep_row_major` is False
+    exactly when no path reads the row-major weight, which then goes.
+    """
+
+    gemv_max_rows: int
+    gemv_vnni: bool
+    amx_max_rows: int  # 0 = no AMX copy
+    onednn: bool
+    silu_interleaved: bool  # the AMX copy holds [gate; up] in alternating 16-row blocks
+    argmax_max_rows: int  # the AMX argmax epilogue serves (gemv_max_rows, argmax_max_rows]; 0 = off
+
+    @property
+    def keep_row_major(self) -> bool:
+        return not self.gemv_vnni or not self.onednn
+
+
+def _onednn_packing_available() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (RuntimeError, AttributeError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSupport:
+    """The verdicts for one loaded model. Build it with `decide`; `none()` is the all-torch one."""
+
+    summary: str  # the kernel module and the machine features that matter
+    decode_attention: KernelChoice
+    prefill_attention: KernelChoice
+    rms_norm: KernelChoice
+    rope_and_cache: KernelChoice
+    silu_and_mul: KernelChoice
+    argmax_rows: KernelChoice
+    gemv: KernelChoice
+    amx_linear: KernelChoice
+    onednn_linear: KernelChoice
+    silu_epilogue: KernelChoice
+    argmax_epilogue: KernelChoice
+    fused_decode: KernelChoice
+    gemv_max_rows: int = 0
+    amx_argmax_max_rows: int = 0
+    tile_rows: int = 16
+    tile_k: int = 32
+    amx: bool = False
+    prepack_weights: bool = False
+    ops: object | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    # ---- decisions -----------------------------------------------------------------------
+
+    @classmethod
+    def none(cls, reason: str) -> "KernelSupport":
+        off = KernelChoice.off(reason)
+        return cls(reason, *([off] * 12))
+
+    @classmethod
+    def decide(
+        cls, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, ops, prepack_weights: bool = True
+    ) -> "KernelSupport":
+        """`ops`: the compiled module (kvserve.kernels.cpu_ops()), or None where it is off."""
+        if device.type != "cpu":
+            return cls.none(f"the kernels are CPU kernels; this model runs on {device}")
+        if ops is None:
+            from kvserve.kernels import unavailable_reason
+
+            return cls.none(f"not loaded ({unavailable_reason() or 'turned off in the engine config'})")
+        if dtype not in (torch.bfloat16, torch.float32):
+            return cls.none(f"the kernels take bfloat16 or float32, the model is {str(dtype).removeprefix('torch.')}")
+        lim = ops.limits()
+        amx = bool(ops.amx_available())
+        bf16 = dtype == torch.bfloat16
+        g, hd = arch.queries_per_kv_head, arch.head_dim
+
+        def multiple(value: int, of: int, what: str) -> str | None:
+            return None if value % of == 0 else f"{what} {value} is not a multiple of {of}"
+
+        def verdict(problems: list[str | None], why_on: str) -> KernelChoice:
+            problems = [p for p in problems if p]
+            return KernelChoice.off("; ".join(problems)) if problems else KernelChoice.on(why_on)
+
+        hd_multiple = lim["decode_attention_head_dim_multiple_bf16" if bf16 else "decode_attention_head_dim_multiple_fp32"]
+        decode_attention = verdict(
+            [
+                multiple(hd, hd_multiple, "head_dim"),
+                None if hd <= lim["decode_attention_max_head_dim"] else f"head_dim {hd} > {lim['decode_attention_max_head_dim']}",
+                None if g <= lim["decode_attention_max_queries_per_kv_head"]
+                else f"{g} query heads per KV head > {lim['decode_attention_max_queries_per_kv_head']}",
+            ],
+            f"in place over the block tables, g={g} query heads per KV row read" + (" (AMX tiles)" if amx and bf16 else ""),
+        )
+        prefill_attention = verdict(
+            [None if bf16 else "bfloat16 only", multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim")],
+            "packed K/V tiles" + (" on AMX" if amx else " with AVX512-BF16 dot products"),
+        )
+        rms_norm = verdict([multiple(arch.hidden_size, lim["rms_norm_width_multiple"], "hidden_size")], "fused residual add")
+        rope_and_cache = verdict([multiple(hd, lim["rope_head_dim_multiple"], "head_dim")], "RoPE and the K/V write in one pass")
+        silu_and_mul = verdict([multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")], "one pass")
+        argmax_rows = KernelChoice.on("greedy rows of the sampler")
+
+        gemv = verdict([None if bf16 else "bfloat16 weights only"],
+                       f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" if prepack_weights and not amx else "row-major"))
+        amx_linear = verdict(
+            [None if bf16 else "bfloat16 only", None if amx else "the CPU has no AMX-BF16",
+             None if prepack_weights else "weights not prepacked (--no-prepack-weights)"],
+            f"{lim['gemv_max_rows'] + 1}-{AMX_MAX_ROWS} rows on AMX tiles",
+        )
+        onednn_linear = verdict(
+            [None if bf16 else "bfloat16 only", None if prepack_weights else "weights not prepacked (--no-prepack-weights)",
+             None if _onednn_packing_available() else "this torch build has no oneDNN weight packing"],
+            f"past {AMX_MAX_ROWS if amx else lim['gemv_max_rows']} rows on oneDNN's packed copy",
+        )
+        silu_epilogue = verdict(
+            [None if amx_linear.enabled else "needs the AMX linear kernel",
+             multiple(arch.intermediate_size, lim["tile_rows"], "intermediate_size")],
+            "silu(gate)·up applied as AMX tiles leave the accumulators",
+        )
+        argmax_epilogue = verdict(
+            [None if amx_linear.enabled else "needs the AMX linear kernel",
+             multiple(arch.vocab_size, lim["tile_rows"], "vocab_size")],
+            f"greedy LM head of {lim['gemv_max_rows'] + 1}-{min(AMX_MAX_ROWS, lim['amx_argmax_max_rows'])} rows "
+            "takes its argmax on AMX (no logits written)",
+        )
+        fused_decode = verdict(
+            [None if bf16 else "bfloat16 only"]
+            + [None if c.enabled else f"{name} is off"
+               for name, c in (("decode attention", decode_attention), ("rms_norm", rms_norm),
+                               ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))],
+            "all layers of a decode batch in one C++ call",
+        )
+        return cls(
+            summary=f"kvserve CPU kernels, {'AMX-BF16' if amx else 'AVX512-BF16 without AMX'}",
+            decode_attention=decode_attention, prefill_attention=prefill_attention, rms_norm=rms_norm,
+            rope_and_cache=rope_and_cache, silu_and_mul=silu_and_mul, argmax_rows=argmax_rows, gemv=gemv,
+            amx_linear=amx_linear, onednn_linear=onednn_linear, silu_epilogue=silu_epilogue,
+            argmax_epilogue=argmax_epilogue, fused_decode=fused_decode, gemv_max_rows=lim["gemv_max_rows"],
+            amx_argmax_max_rows=lim["amx_argmax_max_rows"], tile_rows=lim["tile_rows"], tile_k=lim["tile_k"], amx=amx, prepack_weights=prepack_weights, ops=ops,
+        )  # fmt: skip
+
+    def op(self, name: str):
+        """The compiled module if kernel `name` (one of ELEMENTWISE_KERNELS, decode_attention,
+        prefill_attention) is on for this model, else None: the caller's plain-torch path."""
+        return self.ops if getattr(self, name).enabled else None
+
+    def plan_projection(
+        self, out_features: int, in_features: int, *, silu_mul: bool = False, argmax: bool = False
+    ) -> ProjectionPlan | None:
+        """Where one projection's rows go; None = F.linear for every row count.
+
+        `silu_mul`: the weight is [gate; up] and its output is read as silu(gate)·up;
+        `argmax`: greedy steps read only each row's argmax (the LM head).
+        """
+        if not self.gemv.enabled:
+            return None
+        on_grid = out_features % self.tile_rows == 0 and in_features % self.tile_k == 0
+        amx = self.amx_linear.enabled and on_grid
+        interleaved = amx and silu_mul and self.silu_epilogue.enabled
+        argmax_rows = min(AMX_MAX_ROWS, self.amx_argmax_max_rows) if amx and argmax and self.argmax_epilogue.enabled else 0
+        return ProjectionPlan(
+            gemv_max_rows=self.gemv_max_rows,
+            # without AMX the GEMV reads a VNNI-tile copy, streamed in order (the row-major GEMV
+            # read ~22 GB/s where the tiles read ~39 on a Zen 4); AMX machines' GEMV keeps the
+            # row-major weight, as it has not been measured there on the tiles
+            gemv_vnni=on_grid and self.prepack_weights and not self.amx,
+            amx_max_rows=AMX_MAX_ROWS if amx else 0,
+            onednn=self.onednn_linear.enabled,
+            silu_interleaved=interleaved,
+            argmax_max_rows=argmax_rows,
+        )
+
+    def fused_decode_rows(self, projections_readable: bool) -> int:
+        """The largest decode batch the fused step runs: any size when it can read every
+        decoder projection (ops.linear serves every row count), else none."""
+        return UNBOUNDED_ROWS if self.fused_decode.enabled and projections_readable else 0
+
+    # ---- report ----------------------------------------------------------------------------
+
+    def choices(self) -> dict[str, KernelChoice]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), KernelChoice)
+        }
+
+    def describe(self) -> str:
+        """One line per kernel: on or off, and why."""
+        lines = [f"kernels: {self.summary}"]
+        for name, choice in self.choices().items():
+            lines.append(f"  {name.replace('_', ' '):<18} {choice}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"summary": self.summary, **{n: dataclasses.asdict(c) for n, c in self.choices().items()}}

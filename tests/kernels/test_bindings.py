@@ -1,0 +1,250 @@
+"""The compiled module binds what kvserve/kernels/api.py declares, exports its limits, and
+dispatches a Projection as kernels.h says."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import api, cpu_ops
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable here")
+needs_amx = pytest.mark.skipif(ops is None or not ops.amx_available(), reason="this CPU has no AMX-BF16")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+DOCUMENTED_LIMITS = {
+    "gemv_max_rows": 8,
+    "decode_attention_max_queries_per_kv_head": 16,
+    "decode_attention_max_head_dim": 128,
+    "decode_attention_head_dim_multiple_bf16": 32,
+    "decode_attention_head_dim_multiple_fp32": 16,
+    "prefill_attention_head_dim_multiple": 32,
+    "rope_head_dim_multiple": 32,
+    "rms_norm_width_multiple": 16,
+    "silu_width_multiple": 16,
+    "tile_rows": 16,
+    "tile_k": 32,
+    "amx_argmax_max_rows": 128,
+}
+KERNELS_H = Path(api.__file__).with_name("kernels.h")
+
+
+def _declared() -> set[str]:
+    return {n for n in vars(api.CpuOps) if not n.startswith("_")} | set(api.CpuOps.__annotations__)
+
+
+def test_module_binds_exactly_the_names_api_declares():
+    assert {n for n in dir(ops) if not n.startswith("_")} == _declared()
+
+
+def _bound_params(doc: str) -> list[str]:
+    """Parameter names (with '*' and '=' for a default) from pybind11's signature line."""
+    inner, depth, parts, cur = doc.split("(", 1)[1], 0, [], ""
+    for ch in inner:
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            if depth == 0:
+                break
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.split(":")[0].strip() + ("=" if "=" in p else "") for p in parts if p.strip()]
+
+
+def _declared_params(fn) -> list[str]:
+    out, positional = [], 0
+    for p in list(inspect.signature(fn).parameters.values())[1:]:  # self
+        if p.kind is p.KEYWORD_ONLY and "*" not in out:
+            out.append("*")
+        name = f"arg{positional}" if p.kind is p.POSITIONAL_ONLY else p.name
+        positional += p.kind is p.POSITIONAL_ONLY
+        out.append(name + ("=" if p.default is not p.empty else ""))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_declared()))
+def test_bound_signature_is_the_declared_one(name):
+    declared = getattr(api.CpuOps, name, None) or getattr(api, name).__init__
+    bound = getattr(ops, name)
+    doc = (bound.__init__ if isinstance(bound, type) else bound).__doc__
+    params = _bound_params(doc)
+    assert (params[1:] if isinstance(bound, type) else params) == _declared_params(declared)
+
+
+def test_limits_are_ints_for_the_documented_keys():
+    assert ops.limits() == DOCUMENTED_LIMITS
+    assert all(type(v) is int for v in ops.limits().values())
+
+
+def test_kernels_h_header_comment_explains_every_limit():
+    explained = set(re.findall(r"^//   ([a-z0-9_]+) ", KERNELS_H.read_text(), flags=re.M))
+    assert set(ops.limits()) <= explained
+
+
+N, K = 80, 96
+
+
+def _weights(bias: bool, n: int = N):
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, K, generator=g) / K**0.5).bfloat16()
+    return w, (torch.randn(n, generator=g).bfloat16() if bias else None)
+
+
+def _projection(layout: str, w: torch.Tensor, b: torch.Tensor | None):
+    if layout == "weight":
+        return ops.Projection(weight=w, bias=b, gemv_max_rows=8)
+    if layout == "gemv+onednn":
+        return ops.Projection(gemv=ops.amx_pack_weight(w), onednn=torch.ops.mkldnn._reorder_linear_weight(w, 2048),
+                              bias=b, gemv_max_rows=8)  # fmt: skip
+    assert layout == "weight+amx"
+    return ops.Projection(weight=w, amx=ops.amx_pack_weight(w), bias=b, gemv_max_rows=8, amx_max_rows=256)
+
+
+LAYOUTS = [
+    "weight",
+    pytest.param("gemv+onednn", marks=needs_onednn),
+    pytest.param("weight+amx", marks=needs_amx),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 8, 9, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(layout, rows, with_bias):
+    w, b = _weights(with_bias)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    y = ops.linear(x, _projection(layout, w, b))
+    assert y.shape == (rows, N) and y.dtype == torch.bfloat16
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_linear_of_no_rows_is_empty_with_n_columns(layout):
+    y = ops.linear(torch.empty(0, K, dtype=torch.bfloat16), _projection(layout, *_weights(False)))
+    assert y.shape == (0, N)
+
+
+@needs_onednn
+def test_linear_refuses_gemv_rows_without_gemv_or_weight():
+    w, _ = _weights(False)
+    p = ops.Projection(onednn=torch.ops.mkldnn._reorder_linear_weight(w, 2048), gemv_max_rows=8)
+    with pytest.raises(RuntimeError, match="neither Projection.gemv nor Projection.weight"):
+        ops.linear(torch.randn(3, K).bfloat16(), p)
+
+
+def test_linear_refuses_amx_rows_without_amx():
+    p = ops.Projection(weight=_weights(False)[0], gemv_max_rows=8, amx_max_rows=64)
+    with pytest.raises(RuntimeError, match="Projection.amx is not set"):
+        ops.linear(torch.randn(9, K).bfloat16(), p)
+
+
+def test_linear_refuses_a_gemv_max_rows_past_the_kernels_limit():
+    p = ops.Projection(weight=_weights(False)[0], gemv_max_rows=ops.limits()["gemv_max_rows"] + 1)
+    with pytest.raises(RuntimeError, match="gemv_max_rows"):
+        ops.linear(torch.randn(2, K).bfloat16(), p)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_linear_silu_mul_is_silu_of_gate_times_up(rows):
+    w, _ = _weights(False, n=2 * 32)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
+    got = ops.linear_silu_mul(x, ops.Projection(weight=w, gemv_max_rows=8))
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=2e-2, rtol=1.6e-2)
+
+
+@needs_amx
+def test_linear_silu_mul_on_interleaved_tiles_is_the_unfused_pair_bitwise():
+    w, _ = _weights(False, n=2 * 32)
+    interleaved = w.view(2, 2, 16, K).transpose(0, 1).reshape(2 * 32, K)  # gate block p, then up block p
+    fused = ops.Projection(weight=w, amx=ops.amx_pack_weight(interleaved), gemv_max_rows=8, amx_max_rows=256,
+                           silu_interleaved=True)  # fmt: skip
+    x = torch.randn(20, K).bfloat16()
+    expected = ops.silu_and_mul(ops.amx_linear(x, ops.amx_pack_weight(w)))
+    assert torch.equal(ops.linear_silu_mul(x, fused), expected)
+
+
+def test_projection_reads_back_its_fields_with_none_for_missing_tensors():
+    w, b = _weights(True)
+    p = ops.Projection(weight=w, bias=b, gemv_max_rows=4, amx_max_rows=64, silu_interleaved=True)
+    assert p.weight is w and p.bias is b and p.gemv is None and p.amx is None and p.onednn is None
+    assert (p.gemv_max_rows, p.amx_max_rows, p.silu_interleaved) == (4, 64, True)
+
+
+def test_projection_takes_keywords_only():
+    with pytest.raises(TypeError):
+        ops.Projection(_weights(False)[0])
+
+
+def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64, block=16, blocks=8):
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+    def proj(n, k, bias=False):
+        return ops.Projection(weight=rand(n, k, scale=k**-0.5), bias=rand(n) if bias else None, gemv_max_rows=8)
+
+    qkv_n = (heads + 2 * kv_heads) * head_dim
+    decoder = [
+        ops.DecodeLayer(input_norm=rand(hidden), post_attention_norm=rand(hidden), qkv=proj(qkv_n, hidden, bias=True),
+                        o=proj(hidden, heads * head_dim), gate_up=proj(2 * inter, hidden), down=proj(hidden, inter))
+        for _ in range(layers)
+    ]  # fmt: skip
+    pools = [rand(blocks, block, kv_heads, head_dim) for _ in range(2 * layers)]
+    angles = torch.arange(64).float()[:, None] * torch.rand(head_dim // 2, generator=g)[None]
+    return ops.DecodeModel(layers=decoder, k_pools=pools[:layers], v_pools=pools[layers:], cos_half=angles.cos(),
+                           sin_half=angles.sin(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           eps=1e-5, scale=head_dim**-0.5)  # fmt: skip
+
+
+def _step_inputs(batch=3, block=16):
+    lens = torch.tensor([5, 17, 30][:batch], dtype=torch.int32)
+    tables = torch.arange(batch * 2, dtype=torch.int32).view(batch, 2)
+    positions = (lens - 1).long()
+    slots = tables[torch.arange(batch), positions // block].long() * block + positions % block
+    return positions, slots, tables, lens
+
+
+def _layer_by_layer(model, h, positions, slots, tables, lens):
+    """What decode_layers does, one binding at a time (kernels.h)."""
+    residual = None
+    for layer, k, v in zip(model.layers, model.k_pools, model.v_pools):
+        x = ops.rms_norm(h, layer.input_norm, model.eps, residual)
+        residual = h if residual is None else residual
+        q = ops.rope_and_cache(ops.linear(x, layer.qkv), positions, model.cos_half, model.sin_half, k, v, slots,
+                               model.num_heads, model.num_kv_heads, model.head_dim)  # fmt: skip
+        attn = ops.paged_decode_attention(q, k, v, tables, lens, model.scale)
+        x = ops.rms_norm(ops.linear(attn.view(h.shape[0], -1), layer.o), layer.post_attention_norm, model.eps, residual)
+        h = ops.linear(ops.linear_silu_mul(x, layer.gate_up), layer.down)
+    return residual.add_(h)
+
+
+def test_decode_layers_is_the_bindings_layer_by_layer_bitwise():
+    fused, stepwise = _tiny_model(), _tiny_model()  # same seed: equal weights, separate pools
+    h = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    inputs = _step_inputs()
+    expected = _layer_by_layer(stepwise, h.clone(), *inputs)
+    assert torch.equal(ops.decode_layers(fused, h.clone(), *inputs), expected)
+    assert all(torch.equal(a, b) for a, b in zip(fused.k_pools + fused.v_pools, stepwise.k_pools + stepwise.v_pools))
+
+
+def test_decode_layers_refuses_a_pool_count_off_the_layer_count():
+    m = _tiny_model()
+    short = ops.DecodeModel(layers=m.layers, k_pools=m.k_pools[:1], v_pools=m.v_pools, cos_half=m.cos_half,
+                            sin_half=m.sin_half, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                            head_dim=m.head_dim, eps=m.eps, scale=m.scale)  # fmt: skip
+    with pytest.raises(RuntimeError, match="one K and one V pool per layer"):
+        ops.decode_layers(short, torch.zeros(3, 64, dtype=torch.bfloat16), *_step_inputs())
