@@ -1,4 +1,8 @@
-"""LLMEngine: add requests, step, get outputs. A step reads aloud as schedule, run, update.
+"""LLMEngine: add requests, step, get outputs. A step reads aloud as schedule, run, update, emit.
+
+The scheduler is the one bookkeeper of request state (`Scheduler.update_from_output` applies
+a step; `Scheduler.finish` ends a request); the engine writes no Request field itself. It
+owns what the user sees: the grouping of n samples into one output, and the counters.
 
 Synchronous by design; the server drives it from its own thread (engine/async_engine.py),
 the offline `LLM` calls `step()` until everything is done.
@@ -19,7 +23,7 @@ from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner, plan_kv_pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from kvserve.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.llama import LlamaForCausalLM
@@ -38,8 +42,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    sent_tokens: list[int]
+    sent_tokens: list[int]  # per child: output tokens already handed out
 
     @property
     def finished(self) -> bool:
@@ -167,6 +170,7 @@ class LLMEngine:
                     max_model_len=self.max_model_len,
                     leader=children[0] if i else None,
                     sample_index=i,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params),
                 )
             )
         parent = _Parent(
@@ -174,7 +178,6 @@ class LLMEngine:
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=prompt_ids,
             children=children,
-            detokenizers=[IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in children],
             sent_tokens=[0] * len(children),
         )
         self._parents[request_id] = parent
@@ -212,7 +215,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        batch = self.runner.prepare(plan.scheduled, {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in plan.scheduled})
+        batch = self.runner.prepare(plan)
         sampling = [s.request for s in batch.sampling]
         if sampling and self.sampler.plain_greedy(sampling):
             # argmax only: the LM head takes it as it computes, where it can (no logits written)
@@ -220,57 +223,24 @@ class LLMEngine:
         else:
             logits = self.runner.execute(batch)
             sampled = self.sampler(logits, sampling) if sampling else None
-        return self._update(plan.scheduled, batch.sampling, sampled)
-
-    def _update(self, scheduled, sampling, sampled) -> list[RequestOutput]:
-        now = time.monotonic()
-        self.counters.steps += 1
-        self.counters.computed_tokens += sum(s.num_new_tokens for s in scheduled)
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-        touched: dict[str, _Parent] = {}
-        for row, s in enumerate(sampling):
-            req = s.request
-            token = sampled.token_ids[row]
-            req.append_output_token(token)
-            if req.timing.first_token is None:
-                req.timing.first_token = now
-            req.timing.token_times.append(now)
-            if sampled.logprobs[row] is not None:
-                req.logprobs.append(sampled.logprobs[row])
-                req.cumulative_logprob += sampled.sampled_logprobs[row]
-            parent = self._children[req.request_id]
-            self.counters.generation_tokens += 1
-            status = self._check_stop(req, parent.detokenizers[req.sample_index], token)
-            if status is not None:
-                self.scheduler.finish(req, status)
-                self.counters.finished[status.value] += 1
-            touched[parent.request_id] = parent
+        update = self.scheduler.update_from_output(plan, sampled)
+        self._count(plan, update)
+        # one output per user request that got a token (its n samples together)
+        touched = {p.request_id: p for p in (self._children[r.request_id] for r in update.sampled)}
         return [self._emit(p) for p in touched.values()]
 
-    def _check_stop(self, req: Request, detok: IncrementalDetokenizer, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        past_min = req.num_output_tokens >= params.min_tokens
-        stop_string = detok.add_token(token, check_stop=past_min)
-        if past_min:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if stop_string is not None:
-                req.stop_reason = stop_string
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _count(self, plan: SchedulerOutput, update: StepUpdate) -> None:
+        counters = self.counters
+        counters.steps += 1
+        counters.computed_tokens += sum(s.num_new_tokens for s in plan.scheduled)
+        counters.generation_tokens += len(update.sampled)
+        for req in update.finished:
+            counters.finished[req.status.value] += 1
 
     def _emit(self, parent: _Parent) -> RequestOutput:
         outputs = []
         for i, child in enumerate(parent.children):
-            detok = parent.detokenizers[i]
+            detok = child.detokenizer
             start = parent.sent_tokens[i]
             parent.sent_tokens[i] = child.num_output_tokens
             want_logprobs = child.sampling_params.logprobs is not None

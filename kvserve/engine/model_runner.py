@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
-from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.llama import LlamaForCausalLM
 
@@ -49,7 +49,7 @@ class StepBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
-    sampling: list[ScheduledRequest]  # in the order of logits_indices
+    sampling: list[ScheduledRequest]  # in the order of logits_indices (the scheduler output's `sampling`)
 
 
 class ModelRunner:
@@ -65,16 +65,17 @@ class ModelRunner:
         # the decode-attention kernel walks block tables itself: no slot lists or masks needed
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
 
-    def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepBatch:
+    def prepare(self, scheduler_output: SchedulerOutput) -> StepBatch:
         bs = self.layout.block_size
+        block_tables = scheduler_output.block_tables
+        scheduled = scheduler_output.scheduled
         ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
         decodes = [s for s in ordered if s.num_new_tokens == 1]
 
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        logits_indices: list[int] = []
-        sampling: list[ScheduledRequest] = []
+        last_row: dict[str, int] = {}  # request id -> its last row in the flat batch
         prefills: list[PrefillSegment] = []
         for s in ordered:
             req, start, m = s.request, s.request.num_computed_tokens, s.num_new_tokens
@@ -96,9 +97,10 @@ class ModelRunner:
                         attn_bias=rectangular_causal_bias(start, m, self.model.dtype).to(self.device) if start else None,
                     )
                 )
-            if s.samples:
-                logits_indices.append(query_start + m - 1)
-                sampling.append(s)
+            last_row[req.request_id] = query_start + m - 1
+        # logits rows in the order of the scheduler's sampling requests, whatever the batch's order
+        sampling = scheduler_output.sampling
+        logits_indices = [last_row[s.request.request_id] for s in sampling]
 
         decode_slots = decode_mask = decode_lens = decode_tables = None
         if decodes:

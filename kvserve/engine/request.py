@@ -3,6 +3,9 @@
 `num_tokens` counts every known token (prompt + sampled); `num_computed_tokens` counts those
 whose K/V are in the cache. A freshly sampled token is known but not yet computed: it gets
 its KV when a later step feeds it through the model (the seed's §1).
+
+The scheduler alone writes a request's state (`Scheduler.schedule`, `update_from_output`,
+`finish`); `check_stop` is the stop rule it applies to each new token.
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ import enum
 import hashlib
 import time
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -88,6 +95,7 @@ class Request:
         max_model_len: int | None = None,
         leader: "Request | None" = None,
         sample_index: int = 0,
+        detokenizer: "IncrementalDetokenizer | None" = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -107,8 +115,9 @@ class Request:
         self._update_block_hashes()
         # samples of one prompt (n > 1) wait for the first to prefill, then share its blocks
         self.leader = leader
-        self.sample_index = sample_index
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len  # the length stop; None = none (model-free tests)
+        # its text, for stop strings and outputs; None where there is no tokenizer (model-free tests)
+        self.detokenizer = detokenizer
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
         seed = sampling_params.seed
@@ -160,3 +169,27 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else None
             extra = self._extra_keys if i == 0 else b""
             self.block_hashes.append(hash_block(parent, self._all_token_ids[i * bs : (i + 1) * bs], extra))
+
+
+def check_stop(request: Request, token: int, stop_string: str | None) -> tuple[RequestStatus, int | str | None] | None:
+    """Does `token`, just appended, end the request? The finishing status and the stop reason
+    (the stop token id or stop string; None for end-of-sequence and length), or None.
+
+    `stop_string` is what the detokenizer found in the new text (it searches only once
+    `min_tokens` are out). Precedence: end-of-sequence (unless `ignore_eos`), a stop token,
+    a stop string (those three only once `min_tokens` are out), then `max_tokens`, then
+    `max_model_len`.
+    """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if stop_string is not None:
+            return RequestStatus.FINISHED_STOPPED, stop_string
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    if request.max_model_len is not None and request.num_tokens >= request.max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None

@@ -6,6 +6,11 @@ There is no prefill phase and no decode phase. Each step, every request tries to
 waiting ones in arrival order. A prompt longer than the remaining budget is chunked, so
 prefill chunks and decode tokens share one forward pass. When blocks run out, the most
 recently admitted running request is preempted by recompute.
+
+It is also the one bookkeeper of request state: `schedule` admits, preempts and hands the
+runner each scheduled request's block table; `update_from_output` applies what the step
+computed and sampled (tokens, timing, logprobs, stops); `finish` ends a request (a stop, a
+length limit or an abort) and frees its blocks.
 """
 
 from __future__ import annotations
@@ -13,36 +18,53 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import Request, RequestStatus, check_stop
+
+if TYPE_CHECKING:
+    from kvserve.engine.sampler import SamplerOutput
 
 
 @dataclasses.dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # m: positions computed this step, starting at num_computed_tokens
+    # Does this step reach the last known token, so a new one is sampled? Fixed when the
+    # step is scheduled (it stays true of the step after `update_from_output` moves the request on).
+    samples: bool = dataclasses.field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the last known token, so a new one is sampled?"""
+    def __post_init__(self) -> None:
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
-    preempted: list[Request]
+    # request id -> the ids of its KV blocks, taken after every allocation of the step
+    block_tables: dict[str, list[int]]
+    preempted: list[Request] = dataclasses.field(default_factory=list)  # this step, in eviction order
 
     @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def sampling(self) -> list[ScheduledRequest]:
+        """The requests that sample a token this step, in scheduling order: the order of the
+        runner's logits rows and so of the sampler output's rows."""
+        return [s for s in self.scheduled if s.samples]
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclasses.dataclass
+class StepUpdate:
+    """What `update_from_output` changed, for the engine to emit outputs and count metrics."""
+
+    sampled: list[Request]  # got a token this step, in the order of the sampler output's rows
+    finished: list[Request]  # finished this step (stop or length); `status` says which
 
 
 class Scheduler:
@@ -111,7 +133,44 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, n))
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
-        return SchedulerOutput(scheduled, preempted)
+        block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in scheduled}
+        return SchedulerOutput(scheduled, block_tables, preempted)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampler_output: SamplerOutput | None) -> StepUpdate:
+        """Apply what one step did to its requests: every scheduled request's positions are
+        computed; each sampling request (`scheduler_output.sampling`, row i of
+        `sampler_output`) gets its token, timing and logprobs, and the stop rule, which may
+        finish it (and free its blocks). `sampler_output` is None when nothing sampled."""
+        sampling = scheduler_output.sampling
+        num_rows = 0 if sampler_output is None else len(sampler_output.token_ids)
+        if num_rows != len(sampling):
+            raise ValueError(f"{num_rows} sampled tokens for {len(sampling)} sampling requests")
+        now = time.monotonic()
+        for s in scheduler_output.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        sampled: list[Request] = []
+        finished: list[Request] = []
+        for row, s in enumerate(sampling):
+            request = s.request
+            token = sampler_output.token_ids[row]
+            request.append_output_token(token)
+            if request.timing.first_token is None:
+                request.timing.first_token = now
+            request.timing.token_times.append(now)
+            if sampler_output.logprobs[row] is not None:
+                request.logprobs.append(sampler_output.logprobs[row])
+                request.cumulative_logprob += sampler_output.sampled_logprobs[row]
+            sampled.append(request)
+            stop_string = None
+            if request.detokenizer is not None:  # stop strings are searched once min_tokens are out
+                past_min = request.num_output_tokens >= request.sampling_params.min_tokens
+                stop_string = request.detokenizer.add_token(token, check_stop=past_min)
+            stop = check_stop(request, token, stop_string)
+            if stop is not None:
+                status, request.stop_reason = stop
+                self.finish(request, status)
+                finished.append(request)
+        return StepUpdate(sampled, finished)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV, keep its tokens, resume it first."""

@@ -10,7 +10,7 @@ import torch
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import Request
-from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.sampling_params import SamplingParams
 
 
@@ -30,8 +30,11 @@ class PagedDriver:
         for req, n in work:
             assert kv.allocate_slots(req, n), "pool too small for the test"
             scheduled.append(ScheduledRequest(req, n))
-        batch = self.engine.runner.prepare(scheduled, {r.request_id: kv.block_ids(r.request_id) for r, _ in work})
+        # what Scheduler.schedule hands the runner: the steps and, after all allocations, the block tables
+        plan = SchedulerOutput(scheduled, {r.request_id: kv.block_ids(r.request_id) for r, _ in work})
+        batch = self.engine.runner.prepare(plan)
         logits = self.engine.runner.execute(batch)
+        # the first half of Scheduler.update_from_output; the caller feeds tokens itself (`decode`)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         return {s.request.request_id: logits[i].float() for i, s in enumerate(batch.sampling)}
