@@ -49,17 +49,11 @@ def best_of(*measurements: MachineLimits) -> MachineLimits:
 
 def layer_params(arch: ModelArchitecture) -> int:
     """Parameters of the decoder layers: every one multiplies each token's activations."""
-    d, h = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_heads * h, arch.num_kv_heads * h
-    attention = d * q + 2 * d * kv + q * d + (q + 2 * kv if arch.attention_bias else 0)
-    mlp = 3 * d * arch.intermediate_size
-    norms = 2 * d
-    return arch.num_layers * (attention + mlp + norms)
+    return arch.decoder_layer_params
 
 
 def total_params(arch: ModelArchitecture) -> int:
-    embed = arch.vocab_size * arch.hidden_size
-    return layer_params(arch) + embed + arch.hidden_size + (0 if arch.tie_word_embeddings else embed)
+    return arch.num_params
 
 
 def decode_bytes_per_step(arch: ModelArchitecture, weight_bytes: int, kv_bytes: int, context_len: float) -> float:

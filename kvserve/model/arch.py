@@ -35,21 +35,25 @@ def kv_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, byt
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_kv_element
 
 
+def llama_layer_params(
+    d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int, head_dim: int, *, attention_bias: bool = False
+) -> int:
+    """Parameters of one Llama decoder layer: Q/K/V/O, the gated MLP, two RMSNorms; with
+    `attention_bias` (Qwen2) the Q, K and V biases, (N_q + 2·N_kv)·H (O has none)."""
+    attention = d_model * head_dim * (2 * num_query_heads + 2 * num_kv_heads)
+    if attention_bias:
+        attention += (num_query_heads + 2 * num_kv_heads) * head_dim
+    return attention + 3 * d_model * ffn_width + 2 * d_model
+
+
 def llama_num_params(
     num_layers: int, d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int,
     head_dim: int, vocab_size: int, tied_embeddings: bool, *, attention_bias: bool = False,
 ) -> int:
-    """P of a Llama-shaped decoder: embeddings (and an untied LM head), per layer Q/K/V/O,
-    the gated MLP and two RMSNorms, then the final norm.
-
-    With `attention_bias` (Qwen2) each layer adds the Q, K and V biases, (N_q + 2·N_kv)·H;
-    O has none. A GGUF can be counted exactly from its tensor shapes instead.
-    """
-    attention = d_model * head_dim * (2 * num_query_heads + 2 * num_kv_heads)
-    if attention_bias:
-        attention += (num_query_heads + 2 * num_kv_heads) * head_dim
-    mlp = 3 * d_model * ffn_width
-    per_layer = attention + mlp + 2 * d_model
+    """P of a Llama-shaped decoder: embeddings (and an untied LM head), the layers
+    (`llama_layer_params`), then the final norm. A GGUF can be counted exactly from its
+    tensor shapes instead."""
+    per_layer = llama_layer_params(d_model, ffn_width, num_query_heads, num_kv_heads, head_dim, attention_bias=attention_bias)
     embeddings = vocab_size * d_model * (1 if tied_embeddings else 2)
     return num_layers * per_layer + embeddings + d_model
 
@@ -110,6 +114,14 @@ class ModelArchitecture:
     def kv_bytes_per_position(self, kv_element_bytes: float) -> float:
         """c_kv = 2 · L · N_kv · H · p_kv (K and V, every layer); an int for an int p_kv."""
         return kv_bytes_per_position(self.num_layers, self.num_kv_heads, self.head_dim, kv_element_bytes)
+
+    @property
+    def decoder_layer_params(self) -> int:
+        """Parameters of all decoder layers (what multiplies every token's activations)."""
+        return self.num_layers * llama_layer_params(
+            self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+            attention_bias=self.attention_bias,
+        )
 
     @property
     def num_params(self) -> int:
