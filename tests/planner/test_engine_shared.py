@@ -16,6 +16,7 @@ from kvserve.model.arch import ModelArchitecture
 from kvserve.model.gguf_metadata import open_gguf, read_architecture
 from kvserve.planner import from_gguf, from_hf_config, hardware, kv
 from kvserve.planner.models import llama_num_params
+from tests.planner.conftest import transformers_param_count
 from tests.planner.test_models import _write_tiny_gguf
 from tests.support.tiny_gguf import write_gguf
 
@@ -74,14 +75,7 @@ def test_planner_shape_of_a_gguf_is_the_engines(tiny_model_dirs, tmp_path, varia
 
 
 def test_qwen2_parameter_count_includes_the_qkv_bias(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=48, intermediate_size=96, num_attention_heads=6,
-                                      num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
-    config.save_pretrained(tmp_path)
-    model = transformers.Qwen2ForCausalLM(config)
-    expected = sum(p.numel() for p in model.parameters())
-    shape = from_hf_config(tmp_path)
-    assert shape.num_params == expected
+    expected = transformers_param_count(tmp_path, "Qwen2")
     arch = ModelArchitecture.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     assert arch.attention_bias and arch.num_params == expected
     no_bias = llama_num_params(2, 48, 96, 6, 2, 8, 300, tied_embeddings=False)

@@ -11,6 +11,7 @@ import pytest
 from kvserve.errors import ModelLoadError
 from kvserve.planner import MODEL_PRESETS, from_gguf, from_hf_config, load_model
 from kvserve.planner.models import llama_num_params, with_overrides
+from tests.planner.conftest import transformers_param_count
 
 
 def test_preset_parameter_counts_match_the_published_models():
@@ -32,14 +33,11 @@ def test_hf_config_json(tmp_path):
     assert load_model(str(tmp_path / "config.json")) == shape
 
 
-def test_hf_config_counts_like_transformers(tmp_path):
-    """The Llama count against transformers' own module built from the same config.json."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=48, intermediate_size=96, num_attention_heads=6,
-                                      num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
-    config.save_pretrained(tmp_path)
-    model = transformers.LlamaForCausalLM(config)
-    assert from_hf_config(tmp_path).num_params == sum(p.numel() for p in model.parameters())
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])  # Qwen2: QKV bias
+def test_hf_config_counts_like_transformers(tmp_path, family):
+    """The Llama-shape count against transformers' own module built from the same config.json."""
+    expected = transformers_param_count(tmp_path, family)
+    assert from_hf_config(tmp_path).num_params == expected
 
 
 def test_hf_config_missing_field(tmp_path):
