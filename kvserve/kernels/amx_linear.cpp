@@ -15,7 +15,9 @@
 // for each of the 16 columns n, the pair (w[16nb + n][32kb + 2kp], w[16nb + n][32kb + 2kp + 1])
 // — the B operand layout of TDPBF16PS. Tiles are stored nb-major, so one column block's
 // K/32 tiles are contiguous.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -155,7 +157,7 @@ bool amx_available() {
 }
 
 // w [N, K] bf16 → VNNI tiles [N/16, K/32, 16, 32] (see the layout note above).
-torch::Tensor amx_pack_weight(torch::Tensor w) {
+at::Tensor amx_pack_weight(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx_pack_weight: [N, K] bf16");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % kTileN == 0 && K % kTileK == 0, "amx_pack_weight: N % ", kTileN, " == 0 and K % ", kTileK, " == 0, got ", N, "x", K);
@@ -216,8 +218,8 @@ enum class Epilogue { kStore, kSiluMul, kArgmax };
 // With kArgmax (decode-sized x only), the result is each row's argmax over the bf16-rounded
 // outputs, int64 [M], lowest index on ties: bitwise argmax_rows(amx_linear(x)), without
 // writing the [M, N] product (for the LM head, 6 MiB of logits per 64-row step).
-torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                      Epilogue epilogue) {
+at::Tensor amx_run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                   Epilogue epilogue) {
   const bool silu_mul = epilogue == Epilogue::kSiluMul, argmax = epilogue == Epilogue::kArgmax;
   TORCH_CHECK(amx_available(), "amx_linear: AMX-BF16 is not available on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear: bf16");
@@ -228,18 +230,18 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
   TORCH_CHECK(!silu_mul || (NB % 2 == 0 && !bias), "amx_linear_silu_mul: gate/up block pairs, no bias");
   const int64_t N_out = silu_mul ? N / 2 : N;
   TORCH_CHECK(!argmax || M <= kAmxArgmaxMaxRows, "amx_linear_argmax: at most ", kAmxArgmaxMaxRows, " rows");
-  auto y = argmax ? torch::empty({M}, x.options().dtype(at::kLong)) : torch::empty({M, N_out}, x.options());
+  auto y = argmax ? at::empty({M}, x.options().dtype(at::kLong)) : at::empty({M, N_out}, x.options());
   if (M == 0) return y;
   // A tiles read 16 whole rows: pad x to a multiple of 16 rows (zeros) when it is not one
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
-  torch::Tensor xs = x.contiguous();
+  at::Tensor xs = x.contiguous();
   if (Mp != M) {
-    xs = torch::zeros({Mp, K}, x.options());
+    xs = at::zeros({Mp, K}, x.options());
     xs.narrow(0, 0, M).copy_(x);
   }
   const auto* xp = xs.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
-  const torch::Tensor bias_c = bias ? bias->contiguous() : torch::Tensor();  // kept alive for bp
+  const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();  // kept alive for bp
   const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
   auto* yp = argmax ? nullptr : y.data_ptr<at::BFloat16>();
   const int64_t x_stride = K * 2, block_elems = KB * kTileRows * kTileK, m_tiles = Mp / kTileRows;
@@ -421,17 +423,17 @@ torch::Tensor amx_run(const torch::Tensor& x, const torch::Tensor& packed, const
 }  // namespace
 
 // x [M, K] bf16, packed from amx_pack_weight, bias [N] or empty → y [M, N] bf16.
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   return amx_run(x, packed, bias, Epilogue::kStore);
 }
 
 // x [M, K], the gate/up projection packed with its blocks interleaved → silu(gate) · up [M, N/2]
-torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed) {
+at::Tensor amx_linear_silu_mul(at::Tensor x, at::Tensor packed) {
   return amx_run(x, packed, c10::nullopt, Epilogue::kSiluMul);
 }
 
 // x [M, K] (M <= kAmxArgmaxMaxRows), packed from amx_pack_weight, bias [N] or empty → argmax over each
 // row of x·Wᵀ (+ bias) rounded to bf16, int64 [M]: bitwise argmax_rows(amx_linear(x, ...)).
-torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   return amx_run(x, packed, bias, Epilogue::kArgmax);
 }

@@ -1,5 +1,6 @@
 // Greedy sampling: the row-wise argmax of logits, ties to the lowest index as torch.argmax.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -42,10 +43,10 @@ int64_t argmax_row(const T* x, int64_t n) {
 }  // namespace
 
 // Row-wise argmax of logits [R, V] (ties → lowest index, as torch.argmax).
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "argmax_rows: [R, V] contiguous");
   const int64_t R = x.size(0), V = x.size(1);
-  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
   auto* o = out.data_ptr<int64_t>();
   if (x.scalar_type() == at::kBFloat16) {
     const auto* p = x.data_ptr<at::BFloat16>();

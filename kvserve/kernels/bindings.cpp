@@ -2,21 +2,21 @@
 // decode step's Projection / DecodeLayer / DecodeModel, and limits(). Declared, typed, in
 // kvserve/kernels/api.py (tests/kernels/test_bindings.py keeps the two in step). Tensors a
 // Projection may lack are None in Python and undefined in C++.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 
 namespace {
 
-using MaybeTensor = c10::optional<torch::Tensor>;
+using MaybeTensor = c10::optional<at::Tensor>;
 
-torch::Tensor or_undefined(const MaybeTensor& t) { return t ? *t : torch::Tensor(); }
+at::Tensor or_undefined(const MaybeTensor& t) { return t ? *t : at::Tensor(); }
 
 // a readable attribute that is None for an undefined tensor
 template <typename Class>
-auto maybe(torch::Tensor Class::*field) {
+auto maybe(at::Tensor Class::*field) {
   return [field](const Class& self) -> MaybeTensor {
-    const torch::Tensor& t = self.*field;
+    const at::Tensor& t = self.*field;
     return t.defined() ? MaybeTensor(t) : c10::nullopt;
   };
 }
@@ -83,7 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("silu_interleaved", &Projection::silu_interleaved);
 
   py::class_<DecodeLayer>(m, "DecodeLayer", "one decoder layer's norms and projections, for decode_layers")
-      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection>(), py::kw_only(),
+      .def(py::init<at::Tensor, at::Tensor, Projection, Projection, Projection, Projection>(), py::kw_only(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"))
       .def_readonly("input_norm", &DecodeLayer::input_norm)
@@ -94,8 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("down", &DecodeLayer::down);
 
   py::class_<DecodeModel>(m, "DecodeModel", "every layer, the KV pools and the shapes decode_layers runs on")
-      .def(py::init<std::vector<DecodeLayer>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor,
-                    torch::Tensor, int64_t, int64_t, int64_t, double, double>(),
+      .def(py::init<std::vector<DecodeLayer>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+                    at::Tensor, int64_t, int64_t, int64_t, double, double>(),
            py::kw_only(), py::arg("layers"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos_half"),
            py::arg("sin_half"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("scale"))

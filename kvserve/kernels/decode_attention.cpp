@@ -3,7 +3,9 @@
 // g query heads of a KV head sharing each K/V row read. bf16 pools take AMX tiles where
 // the CPU has them (amx_attention_on) and AVX512-BF16 dot products elsewhere; fp32 pools
 // take fp32 FMAs.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/bit_cast.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -538,8 +540,8 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
 
 // q: [B, N_q, H]; pools: [num_blocks, block_size, N_kv, H]; block_tables: [B, max_blocks] int32;
 // context_lens: [B] int32 (S0 + 1, the new position's K/V already written). Returns [B, N_q, H].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4, "paged_decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtypes");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
@@ -554,7 +556,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_pool.size(2), block_size = k_pool.size(1);
   if (q.scalar_type() == at::kBFloat16) {
     // AMX scores need whole 16-position blocks (a block's unused slots are read, never used)

@@ -5,29 +5,29 @@
 // of the step. This is the CPU's answer to what CUDA graphs do for launch overhead. The
 // projections go through linear() / linear_silu_mul() on each layer's Projections (see
 // kernels.h), as the Python layers do, so which kernel a batch size gets is decided there.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include "kernels.h"
 
-torch::Tensor decode_layers(const DecodeModel& model, torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
-                            torch::Tensor block_tables, torch::Tensor context_lens) {
+at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
+                         at::Tensor block_tables, at::Tensor context_lens) {
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
               "decode_layers: one K and one V pool per layer, got ", model.layers.size(), " layers, ",
               model.k_pools.size(), " K and ", model.v_pools.size(), " V pools");
   const int64_t B = h.size(0);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const double eps = model.eps;
-  torch::Tensor residual;
+  at::Tensor residual;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     const DecodeLayer& layer = model.layers[l];
-    torch::Tensor x = residual.defined() ? rms_norm(h, layer.input_norm, eps, residual)
-                                         : rms_norm(h, layer.input_norm, eps, c10::nullopt);
+    at::Tensor x = residual.defined() ? rms_norm(h, layer.input_norm, eps, residual)
+                                      : rms_norm(h, layer.input_norm, eps, c10::nullopt);
     if (!residual.defined()) residual = h;
-    torch::Tensor qkv = linear(x, layer.qkv);
-    torch::Tensor q = rope_and_cache(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
-                                     slot_mapping, num_heads, num_kv_heads, head_dim);
-    torch::Tensor attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale);
-    torch::Tensor o = linear(attn.view({B, num_heads * head_dim}), layer.o);
+    at::Tensor qkv = linear(x, layer.qkv);
+    at::Tensor q = rope_and_cache(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
+                                  slot_mapping, num_heads, num_kv_heads, head_dim);
+    at::Tensor attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale);
+    at::Tensor o = linear(attn.view({B, num_heads * head_dim}), layer.o);
     x = rms_norm(o, layer.post_attention_norm, eps, residual);
     h = linear(linear_silu_mul(x, layer.gate_up), layer.down);
   }

@@ -2,7 +2,8 @@
 // with AVX512-BF16 dot products, fp32 accumulation: gemv_bf16 on the row-major weight,
 // gemv_vnni on its VNNI-tile copy (amx_pack_weight's layout) for CPUs without AMX. At these
 // sizes PyTorch's generic path reads far below the machine's bandwidth.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -122,10 +123,10 @@ void with_rows(int64_t M, F&& f) {
 // y [M, N] bf16 for x [M, K] bf16 (contiguous), 1 <= M <= kGemvMaxRows: kernel(rows, x, y)
 // with the row count as a std::integral_constant (with_rows).
 template <typename Kernel>
-torch::Tensor small_m(const char* name, const torch::Tensor& x, int64_t N, Kernel&& kernel) {
+at::Tensor small_m(const char* name, const at::Tensor& x, int64_t N, Kernel&& kernel) {
   const int64_t M = x.size(0);
   TORCH_CHECK(M >= 1 && M <= kGemvMaxRows, name, ": 1 <= M <= ", kGemvMaxRows, ", got ", M);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   auto* xp = x.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
   with_rows(M, [&](auto rows) { kernel(rows, xp, yp); });
@@ -134,7 +135,7 @@ torch::Tensor small_m(const char* name, const torch::Tensor& x, int64_t N, Kerne
 
 }  // namespace
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: shapes");
   x = x.contiguous();
@@ -147,7 +148,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
 }
 
 // x: [M <= kGemvMaxRows, K] bf16; packed: amx_pack_weight(w) for w [N, K]. Returns [M, N] bf16.
-torch::Tensor gemv_vnni(torch::Tensor x, torch::Tensor packed) {
+at::Tensor gemv_vnni(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "gemv_vnni: bf16 only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 && packed.is_contiguous(),
               "gemv_vnni: packed must come from amx_pack_weight");

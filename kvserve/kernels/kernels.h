@@ -32,7 +32,8 @@
 //   tile_k                                    amx_pack_weight's K (input features) must be a multiple of this
 //   amx_argmax_max_rows                       most rows amx_linear_argmax takes (its decode-sized loop)
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 #include <cstdint>
 #include <vector>
 
@@ -74,19 +75,19 @@ inline constexpr KernelLimit kKernelLimits[] = {
 // ---- gemv.cpp -----------------------------------------------------------------------------
 
 // y[M, N] = x[M, K] · w[N, K]ᵀ, 1 <= M <= kGemvMaxRows, bf16, w row-major
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w);
 // the same on amx_pack_weight(w) (CPUs without AMX)
-torch::Tensor gemv_vnni(torch::Tensor x, torch::Tensor packed);
+at::Tensor gemv_vnni(at::Tensor x, at::Tensor packed);
 
 // ---- amx_linear.cpp -----------------------------------------------------------------------
 
 // True when this CPU has AMX-BF16 and Linux let this process use the tile registers.
 bool amx_available();
 // w [N, K] bf16 → VNNI tiles [N/16, K/32, 16, 32]
-torch::Tensor amx_pack_weight(torch::Tensor w);
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed);
-torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+at::Tensor amx_pack_weight(at::Tensor w);
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
+at::Tensor amx_linear_silu_mul(at::Tensor x, at::Tensor packed);
+at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
 
 // ---- decode_attention.cpp -----------------------------------------------------------------
 
@@ -95,36 +96,36 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::opti
 void set_amx_attention(bool enabled);
 // amx_available() unless a test switched AMX attention off.
 bool amx_attention_on();
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale);
 
 // ---- prefill_attention.cpp ----------------------------------------------------------------
 
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                             torch::Tensor segments, double scale, torch::Tensor out);
+void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
+                             at::Tensor segments, double scale, at::Tensor out);
 
 // ---- norm_rope_act.cpp --------------------------------------------------------------------
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual);
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
-                             torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, c10::optional<at::Tensor> residual);
+at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
+                          at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // ---- argmax.cpp ---------------------------------------------------------------------------
 
-torch::Tensor argmax_rows(torch::Tensor x);
+at::Tensor argmax_rows(at::Tensor x);
 
 // ---- linear.cpp ---------------------------------------------------------------------------
 
 // One projection y = x·Wᵀ (+ b) as its kernels read it. Filled once per weight by the
 // Python linear method (kvserve/model/linear_methods), which decides every field.
 struct Projection {
-  torch::Tensor weight;          // row-major [N, K] bf16; undefined when no kernel reads it
-  torch::Tensor gemv;            // amx_pack_weight(W) for gemv_vnni; undefined -> gemv_bf16 reads `weight`
-  torch::Tensor amx;             // AMX tiles for amx_linear (or, when silu_interleaved, the gate/up-interleaved pack for amx_linear_silu_mul)
-  torch::Tensor onednn;          // oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight)
-  torch::Tensor bias;            // undefined if none
+  at::Tensor weight;             // row-major [N, K] bf16; undefined when no kernel reads it
+  at::Tensor gemv;               // amx_pack_weight(W) for gemv_vnni; undefined -> gemv_bf16 reads `weight`
+  at::Tensor amx;                // AMX tiles for amx_linear (or, when silu_interleaved, the gate/up-interleaved pack for amx_linear_silu_mul)
+  at::Tensor onednn;             // oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight)
+  at::Tensor bias;               // undefined if none
   int64_t gemv_max_rows = 0;     // 1..gemv_max_rows rows -> GEMV; 0 = no GEMV
   int64_t amx_max_rows = 0;      // (gemv_max_rows, amx_max_rows] rows -> AMX; 0 = no AMX
   bool silu_interleaved = false; // `amx` holds [gate; up] with 16-row blocks interleaved
@@ -138,27 +139,27 @@ struct Projection {
 //   otherwise at::linear(x, weight, bias).
 // A branch whose copy is missing (GEMV rows without gemv or weight, AMX rows without amx,
 // the last branch without weight) fails with a message naming the field.
-torch::Tensor linear(const torch::Tensor& x, const Projection& p);
+at::Tensor linear(const at::Tensor& x, const Projection& p);
 // silu(gate)·up for a [gate; up] projection: amx_linear_silu_mul(x, amx) when silu_interleaved and
 // gemv_max_rows < rows <= amx_max_rows, else silu_and_mul(linear(x, p)).
-torch::Tensor linear_silu_mul(const torch::Tensor& x, const Projection& p);
+at::Tensor linear_silu_mul(const at::Tensor& x, const Projection& p);
 
 // ---- fused_decode.cpp ---------------------------------------------------------------------
 
 struct DecodeLayer {
-  torch::Tensor input_norm, post_attention_norm;  // RMSNorm weights
+  at::Tensor input_norm, post_attention_norm;  // RMSNorm weights
   Projection qkv, o, gate_up, down;
 };
 
 struct DecodeModel {  // built once per loaded model (and again when the KV pools are rebound)
   std::vector<DecodeLayer> layers;
-  std::vector<torch::Tensor> k_pools, v_pools;
-  torch::Tensor cos_half, sin_half;  // RoPE tables [max_pos, H/2] fp32
+  std::vector<at::Tensor> k_pools, v_pools;
+  at::Tensor cos_half, sin_half;  // RoPE tables [max_pos, H/2] fp32
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
 };
 
 // Every decoder layer of a decode batch in one call; returns the residual stream after the
 // last layer (before the final norm).
-torch::Tensor decode_layers(const DecodeModel& model, torch::Tensor h, torch::Tensor positions, torch::Tensor slot_mapping,
-                            torch::Tensor block_tables, torch::Tensor context_lens);
+at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
+                         at::Tensor block_tables, at::Tensor context_lens);

@@ -5,8 +5,11 @@
 // chunks, and every row count past the GEMV's on CPUs without AMX), else at::linear.
 // Python's linear methods decide the fields once per weight and call linear() too, as
 // decode_layers does, so the two paths cannot dispatch differently.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 
 #include "kernels.h"
 
@@ -15,7 +18,7 @@ namespace {
 // oneDNN's linear on a weight it packed (torch.ops.mkldnn._linear_pointwise(x, packed, bias,
 // "none", [], "") as Python spells it). Boxed, so no C++ signature of ours has to match the
 // operator's registration.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
   stack.reserve(6);
@@ -29,8 +32,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return stack[0].toTensor();
 }
 
-c10::optional<torch::Tensor> optional_bias(const Projection& p) {
-  return p.bias.defined() ? c10::optional<torch::Tensor>(p.bias) : c10::nullopt;
+c10::optional<at::Tensor> optional_bias(const Projection& p) {
+  return p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::nullopt;
 }
 
 // N, from whichever copy of the weight the projection has
@@ -44,16 +47,16 @@ int64_t out_features(const Projection& p) {
 
 }  // namespace
 
-torch::Tensor linear(const torch::Tensor& x, const Projection& p) {
+at::Tensor linear(const at::Tensor& x, const Projection& p) {
   TORCH_CHECK(x.dim() == 2, "linear: x must be [rows, K], got ", x.dim(), " dimensions");
   const int64_t rows = x.size(0);
-  if (rows == 0) return torch::empty({0, out_features(p)}, x.options());
+  if (rows == 0) return at::empty({0, out_features(p)}, x.options());
   if (rows <= p.gemv_max_rows) {
     TORCH_CHECK(p.gemv_max_rows <= kGemvMaxRows, "linear: Projection.gemv_max_rows is ", p.gemv_max_rows,
                 ", past the GEMV's ", kGemvMaxRows, " rows");
     TORCH_CHECK(p.gemv.defined() || p.weight.defined(), "linear: ", rows, " rows go to the GEMV (Projection.gemv_max_rows = ",
                 p.gemv_max_rows, ") but neither Projection.gemv nor Projection.weight is set");
-    torch::Tensor y = p.gemv.defined() ? gemv_vnni(x, p.gemv) : gemv_bf16(x, p.weight);
+    at::Tensor y = p.gemv.defined() ? gemv_vnni(x, p.gemv) : gemv_bf16(x, p.weight);
     return p.bias.defined() ? y.add_(p.bias) : y;
   }
   if (rows <= p.amx_max_rows && !p.silu_interleaved) {
@@ -68,7 +71,7 @@ torch::Tensor linear(const torch::Tensor& x, const Projection& p) {
   return at::linear(x, p.weight, optional_bias(p));
 }
 
-torch::Tensor linear_silu_mul(const torch::Tensor& x, const Projection& p) {
+at::Tensor linear_silu_mul(const at::Tensor& x, const Projection& p) {
   const int64_t rows = x.size(0);
   if (p.silu_interleaved && rows > p.gemv_max_rows && rows <= p.amx_max_rows) {
     TORCH_CHECK(p.amx.defined(), "linear_silu_mul: ", rows, " rows go to amx_linear_silu_mul (Projection.amx_max_rows = ",

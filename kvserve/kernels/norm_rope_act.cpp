@@ -1,7 +1,9 @@
 // The fused elementwise steps of a layer: rms_norm (optionally after the residual add),
 // rope_and_cache (RoPE on Q and K, K/V written to their pool slots), silu_and_mul. Each
 // replaces 5-10 small torch ops whose per-call overhead dominates at decode sizes.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -50,11 +52,11 @@ void add_rows(T* residual, const T* x, int64_t D) {
 
 // out = RMSNorm(x) · weight; with `residual`: residual += x first (in place) and the norm
 // reads the updated residual, as the decoder layer's pre-norm residual stream does.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, c10::optional<at::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kRmsNormWidthMultiple == 0,
               "rms_norm: [T, D] contiguous, D % ", kRmsNormWidthMultiple, " == 0, got ", x.sizes());
   const int64_t T_ = x.size(0), D = x.size(1);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   dispatch_f32_bf16(x.scalar_type(), "rms_norm", [&](auto tag) {
       using T = decltype(tag);
       T* res = residual ? residual->data_ptr<T>() : nullptr;
@@ -92,14 +94,14 @@ void copy_row(const T* src, T* dst, int64_t H) {
 
 // qkv: [T, (N_q + 2 N_kv) · H] from the fused projection. Applies RoPE to Q and K (cos/sin
 // tables [max_pos, H/2] fp32), writes K and V into their pool slots, returns Q [T, N_q, H].
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
-                             torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
+                          at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   TORCH_CHECK(qkv.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "rope_and_cache: contiguous");
   TORCH_CHECK(head_dim % kRopeHeadDimMultiple == 0, "rope_and_cache: head_dim % ", kRopeHeadDimMultiple, " == 0, got ", head_dim);
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "int64 positions/slots");
   const int64_t T_ = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
-  auto q = torch::empty({T_, num_heads, head_dim}, qkv.options());
+  auto q = at::empty({T_, num_heads, head_dim}, qkv.options());
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* cos = cos_table.data_ptr<float>();
@@ -124,11 +126,11 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::
 }
 
 // gate_up: [T, 2F] → silu(gate) · up: [T, F]
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % (2 * kSiluWidthMultiple) == 0,
               "silu_and_mul: [T, 2F] contiguous, F % ", kSiluWidthMultiple, " == 0, got ", gate_up.sizes());
   const int64_t T_ = gate_up.size(0), F_ = gate_up.size(1) / 2;
-  auto out = torch::empty({T_, F_}, gate_up.options());
+  auto out = at::empty({T_, F_}, gate_up.options());
   dispatch_f32_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
       using T = decltype(tag);
       at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {

@@ -17,7 +17,8 @@
 //   2. per (segment, query head, block of 16 queries): scores against every key block the
 //      block can see, a row-wise causal softmax in fp32 (probabilities rounded to bf16 once,
 //      as the decode kernel does), then P·V into four C tiles at a time.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -212,8 +213,8 @@ void block_values(ProductsFn products, const uint16_t* p, int64_t p_ld, const ui
 // q, out: [T, N_q, D] bf16 (out written only at the segments' rows); pools [num_blocks,
 // block_size, N_kv, D] bf16; slots: int64, every segment's context slots back to back;
 // segments: int64 [n, 4] = (query_start, num_new, num_cached, slot_offset).
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                             torch::Tensor segments, double scale, torch::Tensor out) {
+void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
+                             at::Tensor segments, double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && out.sizes() == q.sizes(), "paged_prefill_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
                   v_pool.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -246,7 +247,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tenso
       total += k_size + v_size;
     }
   }
-  auto buffer = torch::empty({std::max<int64_t>(total, 1)}, q.options().dtype(at::kInt));
+  auto buffer = at::empty({std::max<int64_t>(total, 1)}, q.options().dtype(at::kInt));
   auto* buf = reinterpret_cast<uint32_t*>(buffer.data_ptr<int32_t>());
   const auto* kpool = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
   const auto* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());

@@ -1,7 +1,7 @@
 // Vector helpers shared by the kernels (every .cpp here but linear, fused_decode and bindings):
 // bf16 ↔ fp32 for 16 lanes, e^x for softmax and SiLU, and SiLU·up.
 #pragma once
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 namespace {
