@@ -14,10 +14,14 @@ prints `describe()` at start-up.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.model.arch import ModelArchitecture
+
+if TYPE_CHECKING:
+    from kvserve.kernels.api import CpuOps
 
 # AMX tiles beat oneDNN's packed weight up to this many rows; past it (prefill chunks)
 # oneDNN's blocking wins. SmolLM2's projections, 30 layers, hot cache: AMX 71 / 137 / 292 /
@@ -25,10 +29,6 @@ from kvserve.model.arch import ModelArchitecture
 AMX_MAX_ROWS = 1024
 # a decode batch of any size runs in one decode_layers call when every projection has a kernel
 UNBOUNDED_ROWS = 1 << 30
-
-# the kernels `op()` hands out, in the order `describe()` lists them
-ELEMENTWISE_KERNELS = ("rms_norm", "rope_and_cache", "silu_and_mul", "argmax_rows")
-
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
@@ -103,18 +103,19 @@ class KernelSupport:
     tile_k: int = 32
     amx: bool = False
     prepack_weights: bool = False
-    ops: object | None = dataclasses.field(default=None, repr=False, compare=False)
+    ops: CpuOps | None = dataclasses.field(default=None, repr=False, compare=False)
 
     # ---- decisions -----------------------------------------------------------------------
 
     @classmethod
     def none(cls, reason: str) -> "KernelSupport":
         off = KernelChoice.off(reason)
-        return cls(reason, *([off] * 12))
+        return cls(reason, **{f.name: off for f in dataclasses.fields(cls) if f.type in ("KernelChoice", KernelChoice)})
 
     @classmethod
     def decide(
-        cls, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, ops, prepack_weights: bool = True
+        cls, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, ops: CpuOps | None,
+        prepack_weights: bool = True,
     ) -> "KernelSupport":
         """`ops`: the compiled module (kvserve.kernels.cpu_ops()), or None where it is off."""
         if device.type != "cpu":
@@ -196,8 +197,9 @@ class KernelSupport:
         )  # fmt: skip
 
     def op(self, name: str):
-        """The compiled module if kernel `name` (one of ELEMENTWISE_KERNELS, decode_attention,
-        prefill_attention) is on for this model, else None: the caller's plain-torch path."""
+        """The compiled module if kernel `name` (a KernelChoice field: rms_norm, rope_and_cache,
+        silu_and_mul, argmax_rows, decode_attention, prefill_attention) is on for this model,
+        else None: the caller's plain-torch path."""
         return self.ops if getattr(self, name).enabled else None
 
     def plan_projection(
