@@ -79,7 +79,7 @@ class EngineConfig:
     max_waiting_requests: int = 0  # 0 = unbounded
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
-    prepack_weights: bool = True  # CPU bf16: keep AMX- and oneDNN-packed copies of each projection
+    prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)

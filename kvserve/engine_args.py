@@ -27,7 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prepack-weights",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="CPU bf16: a copy of each projection packed for batched steps (AMX tiles up to 1024 rows, oneDNN's layout past that; each copy adds the weights' memory again)",
+        help="CPU bf16: pack each projection for its kernels (AMX tiles up to 1024 rows and oneDNN's layout past that; "
+        "without AMX a VNNI-tile copy for the GEMV and oneDNN's for the rest, and the row-major weight goes); "
+        "--no-prepack-weights keeps only the row-major weights",
     )
 
 
