@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine.allocator import tune_malloc
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner, plan_kv_pool
@@ -65,6 +66,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        tune_malloc()  # before the weights are loaded: every later buffer follows the same rule
         loaded = loaded or load_model(config.model, config.torch_dtype)
         self.model_name = loaded.name
         self.arch = arch = loaded.arch

@@ -1,0 +1,48 @@
+"""glibc malloc settings for a process that allocates and frees tensor-sized buffers every step.
+
+glibc serves a request above its mmap threshold with a fresh mapping and unmaps it on free,
+and raises that threshold to the size of each mapped chunk freed; its heap is trimmed back
+to the OS whenever the free top exceeds the trim threshold. A prefill step allocates tens of
+megabytes of activations per layer ([2048, 3072] bf16 is 12 MiB), so depending on the order
+of earlier frees every one of them may be faulted in page by page again: a 2048-token
+prefill of SmolLM2 took 75,000-125,000 minor faults, and 12,000 once the thresholds were
+fixed, and ran 5-7% faster (Zen 4). Fixing the thresholds keeps freed buffers in the heap
+for the next step; peak RSS of the 64-request throughput bench did not move (2,183 against
+2,182 MiB).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# glibc refuses an mmap threshold above half its 64 MiB heap size (64-bit)
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def tune_malloc() -> bool:
+    """Fix glibc's mmap and trim thresholds, once per process; False where this is not glibc
+    or `KVSERVE_MALLOC_TUNING=0`. Variables the user set (MALLOC_*_THRESHOLD_) win."""
+    if os.environ.get("KVSERVE_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    if not ok:
+        logger.info("glibc refused the malloc thresholds; keeping its defaults")
+    return ok
