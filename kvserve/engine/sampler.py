@@ -99,7 +99,8 @@ class Sampler:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Row-wise argmax, ties to the lowest index."""
-        if self.ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        # ops is set only for CPU models (KernelSupport); the logits may be fp32 after processing
+        if self.ops is not None and logits.dtype in (torch.float32, torch.bfloat16):
             return self.ops.argmax_rows(logits.contiguous())
         return logits.argmax(dim=-1)
 

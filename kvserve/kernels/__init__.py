@@ -67,7 +67,7 @@ def cpu_ops():
         return None
     from torch.utils.cpp_extension import load
 
-    from kvserve.model.weight_cache import cache_root
+    from kvserve.paths import cache_root
 
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
     name = f"kvserve_cpu_ops_{digest}"

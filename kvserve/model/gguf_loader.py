@@ -1,7 +1,7 @@
 """Read a Llama-family GGUF: its architecture, dequantized weights in HF naming, its tokenizer.
 
 The metadata (architecture) is read by the torch-free `kvserve.model.gguf_metadata`,
-shared with the planner; this module re-exports `read_architecture` and `open_gguf`.
+shared with the planner.
 
 Weights leave here named as in a Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`)
 so one model class serves both sources. llama.cpp's converter permutes the rows of the Q and K
@@ -19,7 +19,6 @@ import torch
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.arch import ModelArchitecture
-from kvserve.model.gguf_metadata import open_gguf, read_architecture  # noqa: F401  (kvserve.model.loader's)
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",

@@ -34,6 +34,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def fused_projection(self):
+        """What the fused decode step reads for this projection (an ops.Projection), or None."""
+        return self.method.fused_projection(self)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of forward(x), taken inside the kernel where the method can; else None."""
         return self.method.argmax(self, x)

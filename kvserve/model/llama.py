@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
             lin.process_weights_after_loading()
         self._decode_model = None
         # the step reads every decoder projection through its method (the LM head is not part of it)
-        readable = all(lin.method.fused_projection(lin) is not None for lin in self.projections() if lin is not self.lm_head)
+        readable = all(lin.fused_projection() is not None for lin in self.projections() if lin is not self.lm_head)
         self._fused_rows = self.kernels.fused_decode_rows(readable)
 
     def bind_kv_cache(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> None:
@@ -190,10 +190,10 @@ class LlamaForCausalLM(nn.Module):
                 ops.DecodeLayer(
                     input_norm=layer.input_layernorm.weight.detach(),
                     post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-                    qkv=layer.self_attn.qkv.method.fused_projection(layer.self_attn.qkv),
-                    o=layer.self_attn.o.method.fused_projection(layer.self_attn.o),
-                    gate_up=layer.mlp.gate_up.method.fused_projection(layer.mlp.gate_up),
-                    down=layer.mlp.down.method.fused_projection(layer.mlp.down),
+                    qkv=layer.self_attn.qkv.fused_projection(),
+                    o=layer.self_attn.o.fused_projection(),
+                    gate_up=layer.mlp.gate_up.fused_projection(),
+                    down=layer.mlp.down.fused_projection(),
                 )
                 for layer in self.layers
             ]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import ModelLoadError
-from kvserve.model import gguf_loader, hf_loader, weight_cache
+from kvserve.model import gguf_loader, gguf_metadata, hf_loader, weight_cache
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.tokenizer import Tokenizer
 
@@ -106,8 +106,8 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         return arch, weights, hf_loader.load_tokenizer(tokenizer_dir), True
 
     logger.info("converting %s (first load; cached afterwards)", path)
-    reader = gguf_loader.open_gguf(path)
-    arch = gguf_loader.read_architecture(reader)
+    reader = gguf_metadata.open_gguf(path)
+    arch = gguf_metadata.read_architecture(reader)
     weights = gguf_loader.read_weights(reader, arch, dtype)
     tokenizer = gguf_loader.load_tokenizer(path)
     weight_cache.store(cached_weights, arch, weights)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.arch import ModelArchitecture
-from kvserve.paths import cache_root  # re-exported: kvserve.kernels imports it from here
+from kvserve.paths import cache_root
 
 # Bump when the conversion changes, so stale entries are not reused.
 CONVERTER_VERSION = 1

@@ -64,10 +64,9 @@ def test_planner_shape_of_an_hf_dir_is_the_engines(tiny_model_dirs, variant):
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied"])
 def test_planner_shape_of_a_gguf_is_the_engines(tiny_model_dirs, tmp_path, variant):
-    from kvserve.model import gguf_loader
-
+    # read_architecture is what the engine's loader (kvserve.model.loader) reads a GGUF with
     path = write_gguf(Path(tiny_model_dirs[variant]), tmp_path / f"{variant}.gguf")
-    arch = gguf_loader.read_architecture(gguf_loader.open_gguf(path))
+    arch = read_architecture(open_gguf(path))
     shape = from_gguf(path)
     _same_shape(shape, arch)
     # summed over the tensors (exact) and counted from the shape: the same P for a complete GGUF
