@@ -64,6 +64,26 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pools' element type. int8 works with every model dtype (the pools are quantized
+    on write and dequantized on read, in plain torch on any device; a float32 model's int8
+    path is the reference for the kernels). A float pool must be the model's own dtype: the
+    attention reads it with the queries' dtype, and nothing converts between them."""
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    if kv_cache_dtype == "bfloat16" and model_dtype != torch.bfloat16:
+        raise ConfigError(
+            "kv_cache_dtype",
+            f"bfloat16 needs a bfloat16 model, this one runs {str(model_dtype).removeprefix('torch.')} "
+            "(use auto for a KV cache in the model's dtype, or int8)",
+        )
+    return model_dtype
+
+
 @dataclasses.dataclass
 class EngineConfig:
     model: str | None = None  # None = the default model
@@ -80,6 +100,10 @@ class EngineConfig:
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
+    # weight format: auto = a GGUF's quantized tensors in their own format, float weights in
+    # `dtype`; int8 / int4 = quantize float weights at load; none = dequantize everything
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto = the model's dtype; bfloat16; int8 (scales per position and KV head)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
@@ -101,3 +125,14 @@ class EngineConfig:
             raise ConfigError("num_threads", f"must be >= 0, got {self.num_threads}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization in ("int8", "int4") and self.torch_dtype == torch.float32:
+            raise ConfigError(
+                "quantization",
+                f"{self.quantization} computes with bf16 activations; --dtype float32 is the float reference path "
+                "(use --quantization auto or none with it)",
+            )
+        self.torch_kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)

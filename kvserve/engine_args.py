@@ -31,6 +31,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "without AMX a VNNI-tile copy for the GEMV and oneDNN's for the rest, and the row-major weight goes); "
         "--no-prepack-weights keeps only the row-major weights",
     )
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weight format: auto (a GGUF's quantized tensors run in their own format, float weights in --dtype), "
+        "int8 / int4 (quantize float weights at load), none (dequantize everything to --dtype)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "int8"],
+        help="KV cache element type: auto (the model's dtype), bfloat16, int8 (a scale per position and KV head)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
@@ -50,6 +63,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         num_threads=args.threads,
         cpu_kernels=args.cpu_kernels,
         prepack_weights=args.prepack_weights,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     values.update(overrides)
     return EngineConfig(**values)

@@ -5,6 +5,11 @@ The K and V pools of a layer are `[num_blocks, block_size, N_kv, H]`; seen as
 (far faster on CPU than advanced indexing). For decode, query heads are folded per KV
 head, `[N_kv, g, H]`, so one SDPA call serves all g query heads of a KV head without
 repeating K/V (the GQA read pattern of the seed's §3).
+
+An int8 cache (`--kv-cache-dtype int8`) keeps int8 pools and, beside each, a scale pool
+`[num_blocks, block_size, N_kv]` fp32: K/V are quantized as they are written and
+dequantized as they are gathered (`quantize_kv`, `dequantize_kv`), so attention itself is
+the float path. This is the reference the C++ kernels' int8 paths are tested against.
 """
 
 from __future__ import annotations
@@ -15,34 +20,72 @@ import torch.nn.functional as F
 from kvserve.attention.metadata import AttentionMetadata
 
 
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store the new positions' K/V ([T, N_kv, H]) in their slots before anyone attends."""
+# The int8 rule, shared by every writer (write_kv here, rope_and_cache_int8 in
+# kernels/norm_rope_act.cpp): each (position, KV head) row of H values is quantized on its
+# own, symmetrically: scale = max|x| / 127 (fp32), q = round(x / scale) (half to even)
+# clamped to [-127, 127]; an all-zero row has scale 0 and q = 0. K is quantized after RoPE,
+# so the cache holds rotated keys as the float cache does. A value reads back as q · scale.
+# The scale is fp32 rather than fp16: exact for any row (no range or rounding question), and
+# the kernels multiply by it without a conversion; it costs 4 bytes per H = 64 elements.
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] → (int8 [..., H], fp32 scales [...])."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1) / 127
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)  # zero rows: 0 / 1 = 0
+    return torch.round(x32 / divisor).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., H] and scales [...] → values in `dtype` (the product in fp32, rounded once)."""
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def write_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:
+    """Store the new positions' K/V ([T, N_kv, H]) in their slots before anyone attends;
+    with scale pools (int8 pools), quantized (`quantize_kv`)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if k_scale is not None:
+        k, ks = quantize_kv(k)
+        v, vs = quantize_kv(v)
+        k_scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, ks)
+        v_scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, vs)
     k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of the pool at these slots: [..., N_kv, H]."""
+def gather(pool: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows of the pool at these slots: [..., N_kv, H]; with the pool's scales (int8),
+    dequantized to `dtype`."""
     num_kv_heads, head_dim = pool.shape[-2], pool.shape[-1]
     flat = pool.view(-1, num_kv_heads * head_dim).index_select(0, slots.reshape(-1))
-    return flat.view(*slots.shape, num_kv_heads, head_dim)
+    rows = flat.view(*slots.shape, num_kv_heads, head_dim)
+    if scales is None:
+        return rows
+    s = scales.view(-1, num_kv_heads).index_select(0, slots.reshape(-1)).view(*slots.shape, num_kv_heads)
+    return dequantize_kv(rows, s, dtype)
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q: [B, N_q, H], one new position per request → [B, N_q, H]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[-2]
     g = num_heads // num_kv_heads
-    k = gather(k_pool, meta.decode_slots).permute(0, 2, 1, 3)  # [B, N_kv, S, H]
-    v = gather(v_pool, meta.decode_slots).permute(0, 2, 1, 3)
+    k = gather(k_pool, meta.decode_slots, k_scale, q.dtype).permute(0, 2, 1, 3)  # [B, N_kv, S, H]
+    v = gather(v_pool, meta.decode_slots, v_scale, q.dtype).permute(0, 2, 1, 3)
     qg = q.view(batch, num_kv_heads, g, head_dim)  # g query heads of a KV head as g "rows"
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Each segment's m queries attend to its S0 cached + m new positions (rectangular mask).
 
@@ -57,8 +100,8 @@ def prefill_attention(
         n, m = grp.num_segments, grp.num_new
         rows = slice(grp.query_start, grp.query_start + n * m)
         qs = q[rows].view(n, m, num_heads, head_dim).transpose(1, 2)  # [n, N_q, m, H]
-        k = gather(k_pool, grp.slots).view(n, m, num_kv_heads, head_dim).transpose(1, 2)
-        v = gather(v_pool, grp.slots).view(n, m, num_kv_heads, head_dim).transpose(1, 2)
+        k = gather(k_pool, grp.slots, k_scale, q.dtype).view(n, m, num_kv_heads, head_dim).transpose(1, 2)
+        v = gather(v_pool, grp.slots, v_scale, q.dtype).view(n, m, num_kv_heads, head_dim).transpose(1, 2)
         if g > 1:
             k = k.repeat_interleave(g, dim=1)
             v = v.repeat_interleave(g, dim=1)
@@ -67,8 +110,8 @@ def prefill_attention(
     for seg in alone:
         m = seg.num_new
         qs = q[seg.query_start : seg.query_start + m].transpose(0, 1).unsqueeze(0)  # [1, N_q, m, H]
-        k = gather(k_pool, seg.context_slots).transpose(0, 1)  # [N_kv, S0+m, H]
-        v = gather(v_pool, seg.context_slots).transpose(0, 1)
+        k = gather(k_pool, seg.context_slots, k_scale, q.dtype).transpose(0, 1)  # [N_kv, S0+m, H]
+        v = gather(v_pool, seg.context_slots, v_scale, q.dtype).transpose(0, 1)
         if g > 1:
             k = k.repeat_interleave(g, dim=0)
             v = v.repeat_interleave(g, dim=0)
@@ -82,7 +125,7 @@ def prefill_attention(
 
 def paged_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float,
-    decode_ops=None, prefill_ops=None,
+    decode_ops=None, prefill_ops=None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H].
 
@@ -90,21 +133,25 @@ def paged_attention(
     on for this model (else None). The decode kernel reads the block pool in place through
     the block tables, the prefill kernel reads prompt tokens' K/V through their slots;
     without them, decodes and prompts gather and call SDPA (the reference path).
+    `k_scale` / `v_scale`: the scale pools of int8 pools (None for float pools).
     """
     if meta.num_decodes and not meta.prefills and decode_ops is not None:
-        return decode_ops.paged_decode_attention(q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return decode_ops.paged_decode_attention(
+            q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale, k_scale, v_scale
+        )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if meta.num_decodes:
         if decode_ops is not None:
             out[: meta.num_decodes] = decode_ops.paged_decode_attention(
-                q[: meta.num_decodes], k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale
-            )
+                q[: meta.num_decodes], k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale,
+                k_scale, v_scale,
+            )  # fmt: skip
         else:
-            out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale)
+            out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale, k_scale, v_scale)
     if meta.prefills:
         if prefill_ops is not None:
             slots, segments = meta.prefill_kernel_args()
-            prefill_ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out)
+            prefill_ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out, k_scale, v_scale)
         else:
-            prefill_attention(q, k_pool, v_pool, meta, scale, out)
+            prefill_attention(q, k_pool, v_pool, meta, scale, out, k_scale, v_scale)
     return out

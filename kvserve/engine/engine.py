@@ -29,6 +29,7 @@ from kvserve.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.quantization import resolve_quantization
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -67,14 +68,28 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         tune_malloc()  # before the weights are loaded: every later buffer follows the same rule
-        loaded = loaded or load_model(config.model, config.torch_dtype)
+        ops = None
+        if config.cpu_kernels and config.torch_device.type == "cpu":
+            from kvserve.kernels import cpu_ops
+
+            ops = cpu_ops()
+        if loaded is None:
+            # the weights' format depends on what this machine can run, so it is settled first
+            notes: list[str] = []
+            quant_kernel = KernelSupport.quant_linear_choice(config.torch_dtype, config.torch_device, ops)
+            mode = resolve_quantization(config.quantization, quant_kernel, notes)
+            loaded = load_model(config.model, config.torch_dtype, mode)
+            loaded.notes[:0] = notes
+        self.format_notes = loaded.notes
+        for note in loaded.notes:
+            logger.info("weights: %s", note)
         self.model_name = loaded.name
         self.arch = arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
         self.loaded_from_cache = loaded.from_cache
 
-        layout = plan_kv_pool(arch, config.torch_dtype, config.kv_cache_memory, config.block_size)
+        layout = plan_kv_pool(arch, config.torch_kv_dtype, config.kv_cache_memory, config.block_size)
         if layout.num_blocks < 1:
             need = layout.kv_bytes_per_position * config.block_size
             raise ConfigError("kv_cache_memory", f"{config.kv_cache_memory} bytes hold no block; at least {need} needed")
@@ -95,13 +110,10 @@ class LLMEngine:
         self.max_model_len = min(model_len, layout.num_tokens)
         self.layout = layout
 
-        ops = None
-        if config.cpu_kernels and config.torch_device.type == "cpu":
-            from kvserve.kernels import cpu_ops
-
-            ops = cpu_ops()
         # which kernel runs each part of this model, decided once; the model only follows it
-        self.kernels = KernelSupport.decide(arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights)
+        self.kernels = KernelSupport.decide(
+            arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype
+        )
         model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1, kernels=self.kernels)
         loaded.weights.clear()
         self.model = model.to(config.torch_device)
@@ -294,7 +306,9 @@ class LLMEngine:
             f"{self.arch.num_heads} query / {self.arch.num_kv_heads} KV heads, g={self.arch.queries_per_kv_head}) "
             f"dtype {str(self.model.dtype).removeprefix('torch.')} on {self.config.torch_device}"
             f"{' (kvserve CPU kernels)' if self.uses_cpu_kernels else ''}; "
-            f"KV cache: {layout.num_blocks} blocks x {layout.block_size} = {layout.num_tokens} tokens, "
+            f"KV cache: {str(layout.kv_dtype).removeprefix('torch.')}"
+            f"{' (fp32 scale per position and KV head)' if layout.quantized else ''}, "
+            f"{layout.num_blocks} blocks x {layout.block_size} = {layout.num_tokens} tokens, "
             f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
             f"max_model_len {self.max_model_len}; loaded in {self.load_seconds:.1f}s"
             f"{' (cached weights)' if self.loaded_from_cache else ''}\n"

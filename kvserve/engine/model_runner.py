@@ -26,7 +26,12 @@ logger = logging.getLogger(__name__)
 class KVPoolLayout:
     num_blocks: int
     block_size: int
-    kv_bytes_per_position: int  # c_kv
+    kv_bytes_per_position: int  # c_kv, an int8 pool's scales included
+    kv_dtype: torch.dtype = torch.bfloat16  # the pools' elements; int8 pools have fp32 scale pools beside them
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype == torch.int8
 
     @property
     def num_tokens(self) -> int:
@@ -38,9 +43,13 @@ class KVPoolLayout:
 
 
 def plan_kv_pool(arch: ModelArchitecture, kv_dtype: torch.dtype, memory_bytes: int, block_size: int) -> KVPoolLayout:
-    c_kv = arch.kv_bytes_per_position(torch.empty((), dtype=kv_dtype).element_size())
+    """As many blocks as `memory_bytes` holds at c_kv per position (int8: elements and scales)."""
+    if kv_dtype == torch.int8:
+        c_kv = arch.kv_int8_bytes_per_position()
+    else:
+        c_kv = arch.kv_bytes_per_position(torch.empty((), dtype=kv_dtype).element_size())
     num_blocks = memory_bytes // (c_kv * block_size)
-    return KVPoolLayout(num_blocks=int(num_blocks), block_size=block_size, kv_bytes_per_position=c_kv)
+    return KVPoolLayout(num_blocks=int(num_blocks), block_size=block_size, kv_bytes_per_position=c_kv, kv_dtype=kv_dtype)
 
 
 @dataclasses.dataclass
@@ -59,9 +68,16 @@ class ModelRunner:
         self.device = device
         arch = model.arch
         shape = (layout.num_blocks, layout.block_size, arch.num_kv_heads, arch.head_dim)
-        # one allocation for all layers' K and V: [2, L, blocks, block_size, N_kv, H]
-        self.kv_pool = torch.zeros((2, arch.num_layers, *shape), dtype=model.dtype, device=device)
-        model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
+        # one allocation for all layers' K and V: [2, L, blocks, block_size, N_kv, H], in the
+        # layout's dtype (the model's, or int8); int8 pools get their scales beside them in a
+        # second one, [2, L, blocks, block_size, N_kv] fp32 (kvserve/attention/paged.py quantize_kv)
+        self.kv_pool = torch.zeros((2, arch.num_layers, *shape), dtype=layout.kv_dtype, device=device)
+        self.kv_scales = None
+        if layout.quantized:
+            self.kv_scales = torch.zeros((2, arch.num_layers, *shape[:3]), dtype=torch.float32, device=device)
+            model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]), list(self.kv_scales[0]), list(self.kv_scales[1]))
+        else:
+            model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
         # the decode-attention kernel walks block tables itself: no slot lists or masks needed
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
 

@@ -28,6 +28,7 @@ _SOURCES = [
         "prefill_attention.cpp",
         "norm_rope_act.cpp",
         "argmax.cpp",
+        "quant_linear.cpp",
         "linear.cpp",
         "fused_decode.cpp",
     )
@@ -46,8 +47,18 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_has(flag: str) -> bool:
+    """A /proc/cpuinfo flag of this CPU (e.g. avx512_vnni)."""
+    return flag in _cpu_flags()
+
+
+_build_failure: str | None = None  # why the last build failed, once cpu_ops() has tried
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be used here, or None if they can."""
+    if _build_failure:
+        return _build_failure
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return "disabled by KVSERVE_CPU_KERNELS=0"
     missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
@@ -79,11 +90,13 @@ def cpu_ops():
         return load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma", "-fopenmp"],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as exc:  # a broken toolchain must not stop the engine
+        global _build_failure
+        _build_failure = f"the kernels failed to build ({str(exc)[:200]})"
         logger.warning("CPU kernels failed to build (%s); using the plain-torch path", exc)
         return None

@@ -32,6 +32,9 @@ class Projection(Protocol):
         gemv_max_rows: int = 0,
         amx_max_rows: int = 0,
         silu_interleaved: bool = False,
+        gemv_all_rows: bool = False,
+        quant: Sequence[QuantSegment] = (),
+        float_out: bool = False,
     ) -> None: ...
 
     @property
@@ -65,6 +68,42 @@ class Projection(Protocol):
     @property
     def silu_interleaved(self) -> bool:
         """`amx` holds [gate; up] with their 16-row blocks interleaved."""
+
+    @property
+    def gemv_all_rows(self) -> bool:
+        """`gemv` (VNNI tiles) serves every row count: gemm_vnni past gemv_max_rows."""
+
+    @property
+    def quant(self) -> list[QuantSegment]:
+        """The block-quantized weight (quant_linear serves every row count); empty for float weights."""
+
+    @property
+    def float_out(self) -> bool:
+        """quant: fp32 results (the LM head)."""
+
+
+class QuantSegment(Protocol):
+    """Output columns (a multiple of 16) of one block-quantized format: kvserve/model/quant_formats.py packs them."""
+
+    def __init__(
+        self, *, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None, format: int
+    ) -> None: ...
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """uint8 [N/16, K/32, 512 (8-bit) or 256 (4-bit)]."""
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """fp16 [N/16, K/32, 16], or [N/16, 1, 16] for one scale per output column."""
+
+    @property
+    def mins(self) -> torch.Tensor | None:
+        """fp16 [N/16, K/32, 16] for the formats that store a minimum."""
+
+    @property
+    def format(self) -> int:
+        """QUANT_Q8, QUANT_Q4, QUANT_Q4_MIN or QUANT_Q8_MIN."""
 
 
 class DecodeLayer(Protocol):
@@ -122,6 +161,8 @@ class DecodeModel(Protocol):
         head_dim: int,
         eps: float,
         scale: float,
+        k_scales: Sequence[torch.Tensor] = (),
+        v_scales: Sequence[torch.Tensor] = (),
     ) -> None: ...
 
     @property
@@ -164,11 +205,24 @@ class DecodeModel(Protocol):
     def scale(self) -> float:
         """Attention scale (head_dim ** -0.5)."""
 
+    @property
+    def k_scales(self) -> list[torch.Tensor]:
+        """int8 K pools' scales [num_blocks, block_size, N_kv] fp32, one per layer; empty for float pools."""
+
+    @property
+    def v_scales(self) -> list[torch.Tensor]:
+        """int8 V pools' scales, shaped as k_scales; empty for float pools."""
+
 
 class CpuOps(Protocol):
     """Every name the compiled module binds."""
 
     Projection: type[Projection]
+    QuantSegment: type[QuantSegment]
+    QUANT_Q8: int
+    QUANT_Q4: int
+    QUANT_Q4_MIN: int
+    QUANT_Q8_MIN: int
     DecodeLayer: type[DecodeLayer]
     DecodeModel: type[DecodeModel]
 
@@ -199,6 +253,21 @@ class CpuOps(Protocol):
     def gemv_vnni(self, x: torch.Tensor, packed: torch.Tensor, /) -> torch.Tensor:
         """y = x @ w.T for 1..gemv_max_rows rows, bf16, on amx_pack_weight(w)."""
 
+    def gemm_vnni(self, x: torch.Tensor, packed: torch.Tensor, /) -> torch.Tensor:
+        """y = x @ w.T for any number of rows, bf16, on amx_pack_weight(w)."""
+
+    def quant_linear(
+        self, x: torch.Tensor, segments: Sequence[QuantSegment], bias: torch.Tensor | None = None,
+        float_out: bool = False,
+    ) -> torch.Tensor:
+        """y = x @ W.T (+ bias), W the segments stacked by rows; x (bf16 or fp32, any rows) quantized to int8 per
+        row and block of 32 and multiplied as int8 dot products (the result in x's dtype, fp32 if float_out)."""
+
+    def quant_embedding(
+        self, ids: torch.Tensor, segments: Sequence[QuantSegment], in_features: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `ids` of the block-quantized W, dequantized to [len(ids), in_features] in dtype."""
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -220,6 +289,25 @@ class CpuOps(Protocol):
     ) -> torch.Tensor:
         """RoPE on Q and K of the fused QKV rows, K/V written to their pool slots; returns Q [T, N_q, H]."""
 
+    def rope_and_cache_int8(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        /,
+    ) -> torch.Tensor:
+        """rope_and_cache into int8 pools: K (after RoPE) and V quantized per (slot, KV head), scales into
+        k_scale / v_scale [num_blocks, block_size, N_kv] fp32 (kvserve/attention/paged.py quantize_kv); returns Q."""
+
     def silu_and_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
         """[T, 2F] -> silu(gate) * up, [T, F]."""
 
@@ -234,8 +322,11 @@ class CpuOps(Protocol):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One new query per request over its cached positions, read from the paged pool; [B, N_q, H]."""
+        """One new query per request over its cached positions, read from the paged pool; [B, N_q, H].
+        int8 pools come with their scales (AVX512 path, never AMX)."""
 
     def paged_prefill_attention(
         self,
@@ -246,8 +337,11 @@ class CpuOps(Protocol):
         segments: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        """Causal attention of prompt tokens over the paged pool, written into out at the segments' rows."""
+        """Causal attention of prompt tokens over the paged pool, written into out at the segments' rows.
+        int8 pools come with their scales."""
 
     def linear(self, x: torch.Tensor, projection: Projection) -> torch.Tensor:
         """y = x @ W.T (+ b), the kernel chosen by x's rows from the projection's fields (kernels.h)."""

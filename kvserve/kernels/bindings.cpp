@@ -38,15 +38,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after residual += x (in place)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rope_and_cache", &rope_and_cache, "RoPE on Q and K, K/V written to their slots; returns Q");
+  m.def("rope_and_cache_int8", &rope_and_cache_int8,
+        "RoPE on Q and K, K/V quantized into int8 pools with a scale per (slot, KV head); returns Q");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");
   m.def("gemv_vnni", &gemv_vnni, "y = x @ w.T for small M, bf16, on amx_pack_weight(w)");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
-        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
+  m.def("gemm_vnni", &gemm_vnni, "y = x @ w.T for any M, bf16, on amx_pack_weight(w)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over the paged KV pool (int8 pools with their scales)", py::arg("q"), py::arg("k_pool"),
+        py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of prompt tokens over the paged KV pool on AMX tiles, into out",
+        "causal attention of prompt tokens over the paged KV pool on AMX tiles, into out (int8 pools with their scales)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("segments"), py::arg("scale"),
-        py::arg("out"));
+        py::arg("out"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def(
       "limits",
       [] {
@@ -64,15 +69,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("model"), py::arg("h"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
         py::arg("context_lens"));
 
+  m.def("quant_linear", &quant_linear, "y = x @ W.T (+ bias) on block-quantized segments (int8 dot products)",
+        py::arg("x"), py::arg("segments"), py::arg("bias") = py::none(), py::arg("float_out") = false);
+  m.def("quant_embedding", &quant_embedding, "rows `ids` of the block-quantized W, dequantized", py::arg("ids"),
+        py::arg("segments"), py::arg("in_features"), py::arg("dtype"));
+  m.attr("QUANT_Q8") = kQuantQ8;
+  m.attr("QUANT_Q4") = kQuantQ4;
+  m.attr("QUANT_Q4_MIN") = kQuantQ4Min;
+  m.attr("QUANT_Q8_MIN") = kQuantQ8Min;
+
+  py::class_<QuantSegment>(m, "QuantSegment", "output columns of one block-quantized format (kernels.h)")
+      .def(py::init([](const at::Tensor& codes, const at::Tensor& scales, const MaybeTensor& mins, int64_t format) {
+             return QuantSegment{codes, scales, or_undefined(mins), format};
+           }),
+           py::kw_only(), py::arg("codes"), py::arg("scales"), py::arg("mins") = py::none(), py::arg("format"))
+      .def_readonly("codes", &QuantSegment::codes)
+      .def_readonly("scales", &QuantSegment::scales)
+      .def_property_readonly("mins", maybe(&QuantSegment::mins))
+      .def_readonly("format", &QuantSegment::format);
+
   py::class_<Projection>(m, "Projection", "one projection y = x @ W.T (+ b) as its kernels read it (kernels.h)")
       .def(py::init([](const MaybeTensor& weight, const MaybeTensor& gemv, const MaybeTensor& amx, const MaybeTensor& onednn,
-                       const MaybeTensor& bias, int64_t gemv_max_rows, int64_t amx_max_rows, bool silu_interleaved) {
+                       const MaybeTensor& bias, int64_t gemv_max_rows, int64_t amx_max_rows, bool silu_interleaved,
+                       bool gemv_all_rows, const std::vector<QuantSegment>& quant, bool float_out) {
              return Projection{or_undefined(weight), or_undefined(gemv), or_undefined(amx), or_undefined(onednn),
-                               or_undefined(bias), gemv_max_rows, amx_max_rows, silu_interleaved};
+                               or_undefined(bias), gemv_max_rows, amx_max_rows, silu_interleaved, gemv_all_rows, quant,
+                               float_out};
            }),
            py::kw_only(), py::arg("weight") = py::none(), py::arg("gemv") = py::none(), py::arg("amx") = py::none(),
            py::arg("onednn") = py::none(), py::arg("bias") = py::none(), py::arg("gemv_max_rows") = 0,
-           py::arg("amx_max_rows") = 0, py::arg("silu_interleaved") = false)
+           py::arg("amx_max_rows") = 0, py::arg("silu_interleaved") = false, py::arg("gemv_all_rows") = false,
+           py::arg("quant") = std::vector<QuantSegment>(), py::arg("float_out") = false)
+      .def_readonly("float_out", &Projection::float_out)
+      .def_readonly("gemv_all_rows", &Projection::gemv_all_rows)
+      .def_readonly("quant", &Projection::quant)
       .def_property_readonly("weight", maybe(&Projection::weight))
       .def_property_readonly("gemv", maybe(&Projection::gemv))
       .def_property_readonly("amx", maybe(&Projection::amx))
@@ -95,10 +125,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<DecodeModel>(m, "DecodeModel", "every layer, the KV pools and the shapes decode_layers runs on")
       .def(py::init<std::vector<DecodeLayer>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
-                    at::Tensor, int64_t, int64_t, int64_t, double, double>(),
+                    at::Tensor, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>>(),
            py::kw_only(), py::arg("layers"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos_half"),
            py::arg("sin_half"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("scale"))
+           py::arg("scale"), py::arg("k_scales") = std::vector<at::Tensor>(),
+           py::arg("v_scales") = std::vector<at::Tensor>())
       .def_readonly("layers", &DecodeModel::layers)
       .def_readonly("k_pools", &DecodeModel::k_pools)
       .def_readonly("v_pools", &DecodeModel::v_pools)
@@ -108,5 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("num_kv_heads", &DecodeModel::num_kv_heads)
       .def_readonly("head_dim", &DecodeModel::head_dim)
       .def_readonly("eps", &DecodeModel::eps)
-      .def_readonly("scale", &DecodeModel::scale);
+      .def_readonly("scale", &DecodeModel::scale)
+      .def_readonly("k_scales", &DecodeModel::k_scales)
+      .def_readonly("v_scales", &DecodeModel::v_scales);
 }

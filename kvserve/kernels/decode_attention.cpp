@@ -2,7 +2,8 @@
 // positions, read in place from the block pool through the block table (no gather copy),
 // g query heads of a KV head sharing each K/V row read. bf16 pools take AMX tiles where
 // the CPU has them (amx_attention_on) and AVX512-BF16 dot products elsewhere; fp32 pools
-// take fp32 FMAs.
+// take fp32 FMAs. int8 pools (with a scale per position and KV head) are widened in
+// registers on the AVX512 path, never AMX.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/bit_cast.h>
@@ -536,15 +537,329 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
   });
 }
 
+// ---- int8 pools (AVX512; never AMX) ----
+//
+// K and V rows are int8 with an fp32 scale per (position, KV head), the rule of
+// kvserve/attention/paged.py quantize_kv. Scores: the 16 K rows of a block of one KV head
+// are widened once into an L1 buffer in the query's dtype (exact: |q| <= 127 fits bf16's 8
+// significant bits), each query head dots them as bf16 / fp32 queries do, and the K scale
+// (times the softmax scale) multiplies the 16 sums: the scale is folded into the score.
+// Values: the fp32 probabilities (not rounded to bf16) times the V scale weight the V rows,
+// widened int8 → fp32 in registers once per group of query heads. Both passes prefetch
+// their rows two blocks ahead, so a single request (batch 1) streams the pool instead of
+// waiting at each block's first row. A query's positions go
+// in order and nothing in its sums depends on the other requests of the call, so a query
+// gets the same output alone or in any batch.
+
+inline __m512 widen_f32(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// One query head against widened K rows of 32·C features: dpbf16 pairs for bf16 queries,
+// fp32 FMAs for fp32 ones; 16 partial sums for transpose_sum16.
+template <typename T, int C>
+struct QueryInt8Dot;
+
+template <int C>
+struct QueryInt8Dot<at::BFloat16, C> {
+  using Row = at::BFloat16;
+  __m512bh v[C];
+  void load(const at::BFloat16* q) {
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+  }
+  __m512 dot(const at::BFloat16* k) const {
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[0], (__m512bh)_mm512_load_si512(k));
+#pragma GCC unroll 4
+    for (int c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, v[c], (__m512bh)_mm512_load_si512(k + c * 32));
+    return acc;
+  }
+  // 32 int8 → 32 bf16, the first 16 in the low half as dpbf16 pairs them with the query
+  static void widen(const int8_t* src, at::BFloat16* dst) {
+    _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(widen_f32(src + 16), widen_f32(src)));
+  }
+};
+
+template <int C>
+struct QueryInt8Dot<float, C> {
+  __m512 v[2 * C];
+  void load(const float* q) {
+    for (int c = 0; c < 2 * C; ++c) v[c] = _mm512_loadu_ps(q + c * 16);
+  }
+  __m512 dot(const float* k) const {
+    __m512 acc = _mm512_mul_ps(v[0], _mm512_load_ps(k));
+#pragma GCC unroll 8
+    for (int c = 1; c < 2 * C; ++c) acc = _mm512_fmadd_ps(v[c], _mm512_load_ps(k + c * 16), acc);
+    return acc;
+  }
+  static void widen(const int8_t* src, float* dst) {
+    _mm512_store_ps(dst, widen_f32(src));
+    _mm512_store_ps(dst + 16, widen_f32(src + 16));
+  }
+};
+
+// positions ahead of the one being read whose rows the int8 passes prefetch
+constexpr int64_t kInt8PrefetchAhead = 32;
+
+// Where one request's rows are: its positions' slots, and the pools they index.
+struct Int8Rows {
+  const int8_t *k, *v;       // pools [slots, N_kv, H]
+  const float *ks, *vs;      // scales [slots, N_kv]
+  const int64_t* slots;      // the request's S slots, in position order
+  int64_t slot_stride;       // N_kv·H bytes per slot
+  int64_t num_kv_heads;
+};
+
+// sc[j·S + s] = scale · k_scale[s] · q_j·k_s for the g heads of KV head `kvh`, row_max[j]
+// for the softmax, vscale[s] = the V scales gathered in position order; `hook` after each
+// block's widening (the caller's prefetches of the next request).
+template <typename T, int C, typename Hook>
+void int8_scores(const Int8Rows& r, int64_t kvh, int64_t S, int64_t g, const T* q, float scale, float* sc,
+                 float* vscale, __m512* row_max, Hook&& hook) {
+  constexpr int D = 32 * C;
+  alignas(64) T kb[16 * D];
+  alignas(64) float kscale[16];
+  const int64_t off = kvh * D;
+  for (int64_t j = 0; j < g; ++j) row_max[j] = _mm512_set1_ps(-INFINITY);
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    const int64_t live = std::min<int64_t>(16, S - s0);
+    // this head's K lines two blocks ahead (a block's 16 slots are one run of the pool, the
+    // next block anywhere: the hardware prefetcher would restart at each)
+    for (int64_t k = s0 + kInt8PrefetchAhead, e = std::min(S, k + 16); k < e; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(r.k + r.slots[k] * r.slot_stride + off), _MM_HINT_T0);
+      if constexpr (C > 2) _mm_prefetch(reinterpret_cast<const char*>(r.k + r.slots[k] * r.slot_stride + off + 64), _MM_HINT_T0);
+    }
+    for (int64_t k = 0; k < 16; ++k) {
+      if (k < live) {
+        const int64_t slot = r.slots[s0 + k];
+        const int8_t* row = r.k + slot * r.slot_stride + off;
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) QueryInt8Dot<T, C>::widen(row + c * 32, kb + k * D + c * 32);
+        kscale[k] = r.ks[slot * r.num_kv_heads + kvh] * scale;
+        vscale[s0 + k] = r.vs[slot * r.num_kv_heads + kvh];
+      } else {  // past S: zeros, their sums masked off below
+        std::memset(static_cast<void*>(kb + k * D), 0, sizeof(T) * D);
+        kscale[k] = 0.f;
+      }
+    }
+    hook();
+    const __m512 kscale_v = _mm512_load_ps(kscale);
+    const __mmask16 mask = live == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    for (int64_t j = 0; j < g; ++j) {
+      QueryInt8Dot<T, C> qv;
+      qv.load(q + j * D);
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int k = 0; k < 16; ++k) dots[slot16(k)] = qv.dot(kb + k * D);
+      const __m512 v = _mm512_mul_ps(transpose_sum16(dots), kscale_v);
+      _mm512_mask_storeu_ps(sc + j * S + s0, mask, v);
+      row_max[j] = _mm512_mask_max_ps(row_max[j], mask, row_max[j], v);
+    }
+  }
+}
+
+// p[j·S + s] = softmax_j(s) · vscale[s] in place, in two passes (the max came from int8_scores)
+inline void int8_softmax(float* sc, const float* vscale, int64_t S, int64_t g, const __m512* row_max) {
+  const int64_t nv = S / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (S - nv)) - 1);
+  for (int64_t j = 0; j < g; ++j) {
+    float* p = sc + j * S;
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(row_max[j]));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nv; s += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + s), mx));
+      _mm512_storeu_ps(p + s, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (nv < S) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, p + nv), mx)));
+      _mm512_mask_storeu_ps(p + nv, tail, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t s = 0; s < nv; s += 16)
+      _mm512_storeu_ps(p + s, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(p + s), inv), _mm512_loadu_ps(vscale + s)));
+    if (nv < S)
+      _mm512_mask_storeu_ps(p + nv, tail, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, p + nv), inv),
+                                                         _mm512_maskz_loadu_ps(tail, vscale + nv)));
+  }
+}
+
+// acc[j] = Σ_s p_j[s]·V[s] for `gcount` (<= G) heads of KV head `kvh`, p rows S apart (the V
+// scale already in p, int8_softmax); 2·C·G fp32 accumulators and the 2·C widened V vectors
+// stay in registers.
+template <int G, int C>
+void int8_values(const Int8Rows& r, int64_t kvh, const float* p, int64_t S, int64_t gcount, __m512 (*acc)[kHeadVecs]) {
+  constexpr int V = 2 * C;
+  __m512 a[G][V];
+#pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+#pragma GCC unroll 8
+    for (int d = 0; d < V; ++d) a[j][d] = _mm512_setzero_ps();
+  const int64_t off = kvh * 32 * C;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t slot = r.slots[s];
+    const int8_t* row = r.v + slot * r.slot_stride + off;
+    if (s + kInt8PrefetchAhead < S) {  // as int8_scores does for K
+      const char* ahead = reinterpret_cast<const char*>(r.v + r.slots[s + kInt8PrefetchAhead] * r.slot_stride + off);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if constexpr (C > 2) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    }
+    __m512 vf[V];
+#pragma GCC unroll 8
+    for (int d = 0; d < V; ++d) vf[d] = widen_f32(row + d * 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      const __m512 pj = _mm512_set1_ps(j < gcount ? p[j * S + s] : 0.f);
+#pragma GCC unroll 8
+      for (int d = 0; d < V; ++d) a[j][d] = _mm512_fmadd_ps(pj, vf[d], a[j][d]);
+    }
+  }
+  for (int j = 0; j < G && j < gcount; ++j)
+    for (int d = 0; d < V; ++d) acc[j][d] = a[j][d];
+}
+
+// int8_values for the g heads, in groups whose accumulators fit the registers (of a size
+// that divides g where one does, as the bf16 V pass groups them).
+inline void int8_values_all(const Int8Rows& r, int64_t kvh, const float* p, int64_t S, int64_t g, int64_t chunks,
+                            __m512 (*acc)[kHeadVecs]) {
+  const int64_t most = chunks == 1 ? 8 : chunks == 2 ? 4 : 2;
+  int64_t group = std::min(most, g);
+  for (int64_t size = group; size >= 2; --size)
+    if (g % size == 0) { group = size; break; }
+  for (int64_t j0 = 0; j0 < g; j0 += group) {
+    const int64_t n = std::min(group, g - j0);
+    const float* pj = p + j0 * S;
+    __m512 (*a)[kHeadVecs] = acc + j0;
+    switch (chunks * 16 + group) {
+      case 16 + 8: int8_values<8, 1>(r, kvh, pj, S, n, a); break;
+      case 16 + 7: int8_values<7, 1>(r, kvh, pj, S, n, a); break;
+      case 16 + 6: int8_values<6, 1>(r, kvh, pj, S, n, a); break;
+      case 16 + 5: int8_values<5, 1>(r, kvh, pj, S, n, a); break;
+      case 16 + 4: int8_values<4, 1>(r, kvh, pj, S, n, a); break;
+      case 16 + 3: int8_values<3, 1>(r, kvh, pj, S, n, a); break;
+      case 16 + 2: int8_values<2, 1>(r, kvh, pj, S, n, a); break;
+      case 16 + 1: int8_values<1, 1>(r, kvh, pj, S, n, a); break;
+      case 32 + 4: int8_values<4, 2>(r, kvh, pj, S, n, a); break;
+      case 32 + 3: int8_values<3, 2>(r, kvh, pj, S, n, a); break;
+      case 32 + 2: int8_values<2, 2>(r, kvh, pj, S, n, a); break;
+      case 32 + 1: int8_values<1, 2>(r, kvh, pj, S, n, a); break;
+      case 48 + 2: int8_values<2, 3>(r, kvh, pj, S, n, a); break;
+      case 48 + 1: int8_values<1, 3>(r, kvh, pj, S, n, a); break;
+      case 64 + 2: int8_values<2, 4>(r, kvh, pj, S, n, a); break;
+      case 64 + 1: int8_values<1, 4>(r, kvh, pj, S, n, a); break;
+      default: TORCH_CHECK(false, "int8 decode attention: no V kernel for ", chunks, " chunks in groups of ", group);
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_int8_impl(const T* q, const int8_t* k_pool, const int8_t* v_pool, const float* k_scale,
+                                const float* v_scale, const int32_t* block_tables, const int32_t* context_lens, T* out,
+                                int64_t B, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t max_blocks, float scale) {
+  const int64_t g = num_heads / num_kv_heads;
+  TORCH_CHECK(g <= kMaxG, "paged_decode_attention: at most ", kMaxG, " query heads per KV head, got ", g);
+  TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0, "int8 decode attention: head_dim % ",
+              kDecodeAttentionHeadDimMultipleBf16, " == 0");
+  const int64_t slot_stride = num_kv_heads * head_dim, chunks = head_dim / 32, hv = head_dim / 16;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slots, next_slots;
+    std::vector<float> scores, vscale;
+    auto slot_list = [&](int64_t req, std::vector<int64_t>& out_slots) {
+      const int64_t S = context_lens[req];
+      const int32_t* table = block_tables + req * max_blocks;
+      out_slots.resize(S);
+      for (int64_t s = 0, blk = 0; s < S; ++blk)
+        for (int64_t o = 0, base = static_cast<int64_t>(table[blk]) * block_size; o < block_size && s < S; ++o, ++s)
+          out_slots[s] = base + o;
+    };
+    // a slot's K and V rows and scales into L2 (blocks sit anywhere: the hardware prefetcher restarts at each)
+    auto prefetch_slot = [&](int64_t slot) {
+      for (int64_t byte = 0; byte < slot_stride; byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_pool + slot * slot_stride) + byte, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v_pool + slot * slot_stride) + byte, _MM_HINT_T1);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(k_scale + slot * num_kv_heads), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(v_scale + slot * num_kv_heads), _MM_HINT_T1);
+    };
+    if (begin < end) slot_list(begin, next_slots);
+    for (int64_t b = begin; b < end; ++b) {
+      std::swap(slots, next_slots);
+      if (b + 1 < end) slot_list(b + 1, next_slots);
+      else next_slots.clear();
+      const int64_t S = static_cast<int64_t>(slots.size()), S_next = static_cast<int64_t>(next_slots.size());
+      scores.resize(g * S);
+      vscale.resize(S);
+      if (b == begin)
+        for (int64_t s = 0; s < S; ++s) prefetch_slot(slots[s]);
+      const Int8Rows rows{k_pool, v_pool, k_scale, v_scale, slots.data(), slot_stride, num_kv_heads};
+      const int64_t blocks = (S + 15) / 16;
+      int64_t next_cursor = 0;
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        // the next request's rows, spread over this request's score blocks (see the bf16 path)
+        const int64_t quota_end = std::min(S_next, (kvh + 1) * S_next / num_kv_heads);
+        const int64_t per_block = (quota_end - next_cursor + blocks - 1) / blocks;
+        auto hook = [&] {
+          for (int64_t n = 0; n < per_block && next_cursor < quota_end; ++n) prefetch_slot(next_slots[next_cursor++]);
+        };
+        const T* qh = q + (b * num_heads + kvh * g) * head_dim;
+        __m512 row_max[kMaxG];
+        switch (chunks) {
+          case 1: int8_scores<T, 1>(rows, kvh, S, g, qh, scale, scores.data(), vscale.data(), row_max, hook); break;
+          case 2: int8_scores<T, 2>(rows, kvh, S, g, qh, scale, scores.data(), vscale.data(), row_max, hook); break;
+          case 3: int8_scores<T, 3>(rows, kvh, S, g, qh, scale, scores.data(), vscale.data(), row_max, hook); break;
+          default: int8_scores<T, 4>(rows, kvh, S, g, qh, scale, scores.data(), vscale.data(), row_max, hook); break;
+        }
+        int8_softmax(scores.data(), vscale.data(), S, g, row_max);
+        __m512 acc[kMaxG][kHeadVecs];
+        int8_values_all(rows, kvh, scores.data(), S, g, chunks, acc);
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t d = 0; d < hv; ++d) store16(out + (b * num_heads + kvh * g + j) * head_dim + d * 16, acc[j][d]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // q: [B, N_q, H]; pools: [num_blocks, block_size, N_kv, H]; block_tables: [B, max_blocks] int32;
 // context_lens: [B] int32 (S0 + 1, the new position's K/V already written). Returns [B, N_q, H].
+// int8 pools come with their scales k_scale / v_scale [num_blocks, block_size, N_kv] fp32.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
-                                  at::Tensor block_tables, at::Tensor context_lens, double scale) {
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale,
+                                  c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4, "paged_decode_attention: shapes");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtypes");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
+  if (k_pool.scalar_type() == at::kChar) {
+    TORCH_CHECK(v_pool.scalar_type() == at::kChar && k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
+                    v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() && v_scale->is_contiguous(),
+                "paged_decode_attention: int8 pools need their contiguous float32 scales");
+    TORCH_CHECK(k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
+                "paged_decode_attention: one scale per (slot, KV head)");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
+    const int64_t head_dim = q.size(2);
+    TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0 && head_dim <= kDecodeAttentionMaxHeadDim,
+                "paged_decode_attention: int8 head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleBf16,
+                ", at most ", kDecodeAttentionMaxHeadDim, ", got ", head_dim);
+    q = q.contiguous();
+    block_tables = block_tables.contiguous();
+    context_lens = context_lens.contiguous();
+    auto out = at::empty_like(q);
+    const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_pool.size(2), block_size = k_pool.size(1);
+    auto run = [&](auto tag) {
+      using T = decltype(tag);
+      decode_attention_int8_impl<T>(q.data_ptr<T>(), k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(),
+                                    k_scale->data_ptr<float>(), v_scale->data_ptr<float>(), block_tables.data_ptr<int32_t>(),
+                                    context_lens.data_ptr<int32_t>(), out.data_ptr<T>(), B, num_heads, num_kv_heads, head_dim,
+                                    block_size, block_tables.size(1), static_cast<float>(scale));
+    };
+    if (q.scalar_type() == at::kBFloat16) run(at::BFloat16{});
+    else if (q.scalar_type() == at::kFloat) run(float{});
+    else TORCH_CHECK(false, "paged_decode_attention: bf16 or fp32 queries");
+    return out;
+  }
+  TORCH_CHECK(!k_scale && !v_scale, "paged_decode_attention: scales are for int8 pools only");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtypes");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleFp32 == 0 && head_dim <= kDecodeAttentionMaxHeadDim,
               "paged_decode_attention: head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleFp32,

@@ -5,6 +5,7 @@
 // of the step. This is the CPU's answer to what CUDA graphs do for launch overhead. The
 // projections go through linear() / linear_silu_mul() on each layer's Projections (see
 // kernels.h), as the Python layers do, so which kernel a batch size gets is decided there.
+// bf16 or int8 KV pools: with int8 ones the model carries their scales (DecodeModel.k_scales).
 #include <ATen/core/Tensor.h>
 
 #include "kernels.h"
@@ -14,6 +15,11 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
               "decode_layers: one K and one V pool per layer, got ", model.layers.size(), " layers, ",
               model.k_pools.size(), " K and ", model.v_pools.size(), " V pools");
+  // int8 pools: one K and one V scale pool per layer beside them (empty for float pools)
+  const bool int8 = !model.k_scales.empty() || !model.v_scales.empty();
+  TORCH_CHECK(!int8 || (model.k_scales.size() == model.layers.size() && model.v_scales.size() == model.layers.size()),
+              "decode_layers: int8 pools need one K and one V scale pool per layer, got ", model.k_scales.size(), " and ",
+              model.v_scales.size(), " for ", model.layers.size(), " layers");
   const int64_t B = h.size(0);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const double eps = model.eps;
@@ -24,9 +30,17 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
                                       : rms_norm(h, layer.input_norm, eps, c10::nullopt);
     if (!residual.defined()) residual = h;
     at::Tensor qkv = linear(x, layer.qkv);
-    at::Tensor q = rope_and_cache(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
-                                  slot_mapping, num_heads, num_kv_heads, head_dim);
-    at::Tensor attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale);
+    at::Tensor q, attn;
+    if (int8) {
+      q = rope_and_cache_int8(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
+                              model.k_scales[l], model.v_scales[l], slot_mapping, num_heads, num_kv_heads, head_dim);
+      attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale,
+                                    model.k_scales[l], model.v_scales[l]);
+    } else {
+      q = rope_and_cache(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
+                         slot_mapping, num_heads, num_kv_heads, head_dim);
+      attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale);
+    }
     at::Tensor o = linear(attn.view({B, num_heads * head_dim}), layer.o);
     x = rms_norm(o, layer.post_attention_norm, eps, residual);
     h = linear(linear_silu_mul(x, layer.gate_up), layer.down);

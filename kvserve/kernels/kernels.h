@@ -5,8 +5,9 @@
 //   amx_linear.cpp         amx_available, amx_pack_weight, amx_linear(_silu_mul, _argmax)
 //   decode_attention.cpp   paged_decode_attention, set_amx_attention, amx_attention_on
 //   prefill_attention.cpp  paged_prefill_attention
-//   norm_rope_act.cpp      rms_norm, rope_and_cache, silu_and_mul
+//   norm_rope_act.cpp      rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul
 //   argmax.cpp             argmax_rows
+//   quant_linear.cpp       quant_linear, quant_embedding: block-quantized weights (int8 dot products)
 //   linear.cpp             linear, linear_silu_mul: one Projection's dispatch by row count
 //   fused_decode.cpp       decode_layers: every decoder layer of a decode step in one call
 //   bindings.cpp           the Python module (kvserve/kernels/api.py declares it, typed)
@@ -19,7 +20,7 @@
 //   gemv_max_rows                             most rows of x gemv_bf16 / gemv_vnni take (1..this)
 //   decode_attention_max_queries_per_kv_head  num_heads / num_kv_heads paged_decode_attention takes
 //   decode_attention_max_head_dim             longest head paged_decode_attention takes
-//   decode_attention_head_dim_multiple_bf16   its head_dim must be a multiple of this with bf16 pools
+//   decode_attention_head_dim_multiple_bf16   its head_dim must be a multiple of this with bf16 (or int8) pools
 //   decode_attention_head_dim_multiple_fp32   ... and of this with fp32 pools
 //   prefill_attention_head_dim_multiple       paged_prefill_attention's head_dim must be a multiple of this
 //   rope_head_dim_multiple                    rope_and_cache's head_dim must be a multiple of this
@@ -78,6 +79,8 @@ inline constexpr KernelLimit kKernelLimits[] = {
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor w);
 // the same on amx_pack_weight(w) (CPUs without AMX)
 at::Tensor gemv_vnni(at::Tensor x, at::Tensor packed);
+// any M on amx_pack_weight(w): tiles of 8 rows of gemv_vnni's kernel (the tile copy then serves every row count)
+at::Tensor gemm_vnni(at::Tensor x, at::Tensor packed);
 
 // ---- amx_linear.cpp -----------------------------------------------------------------------
 
@@ -96,13 +99,20 @@ at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::
 void set_amx_attention(bool enabled);
 // amx_available() unless a test switched AMX attention off.
 bool amx_attention_on();
+// int8 pools (an int8 KV cache) come with their scales [num_blocks, block_size, N_kv] fp32 and
+// run the AVX512 path whatever the CPU (bf16 or fp32 queries); float pools take none.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
-                                  at::Tensor block_tables, at::Tensor context_lens, double scale);
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale,
+                                  c10::optional<at::Tensor> k_scale = c10::nullopt,
+                                  c10::optional<at::Tensor> v_scale = c10::nullopt);
 
 // ---- prefill_attention.cpp ----------------------------------------------------------------
 
+// bf16 queries over bf16 pools, or int8 pools with their scales (as paged_decode_attention)
 void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
-                             at::Tensor segments, double scale, at::Tensor out);
+                             at::Tensor segments, double scale, at::Tensor out,
+                             c10::optional<at::Tensor> k_scale = c10::nullopt,
+                             c10::optional<at::Tensor> v_scale = c10::nullopt);
 
 // ---- norm_rope_act.cpp --------------------------------------------------------------------
 
@@ -110,11 +120,42 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, c10::optional<a
 at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
                           at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+// The same RoPE, K and V quantized into int8 pools, one fp32 scale per (slot, KV head) into
+// k_scale / v_scale (the rule of kvserve/attention/paged.py quantize_kv).
+at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
+                               at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale, at::Tensor v_scale,
+                               at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // ---- argmax.cpp ---------------------------------------------------------------------------
 
 at::Tensor argmax_rows(at::Tensor x);
+
+// ---- quant_linear.cpp ---------------------------------------------------------------------
+
+// Weight formats of a QuantSegment (kvserve/model/quant_formats.py packs them); a weight is
+// w = d·c + m per block of 32 inputs of one output column, c its unsigned code:
+inline constexpr int64_t kQuantQ8 = 0;     // 8-bit codes q+128, m = -128·d       (Q8_0, int8 of float weights)
+inline constexpr int64_t kQuantQ4 = 1;     // 4-bit codes q+8, m = -8·d           (Q4_0)
+inline constexpr int64_t kQuantQ4Min = 2;  // 4-bit codes, m stored              (Q4_1, Q4_K, int4 of float weights)
+inline constexpr int64_t kQuantQ8Min = 3;  // 8-bit codes, m stored              (Q5_0, Q5_1, Q5_K)
+
+// One run of output columns (a multiple of 16) in one format:
+//   codes  uint8 [N/16, K/32, 512] (8-bit) or [N/16, K/32, 256] (4-bit), the layout in quant_linear.cpp
+//   scales fp16 [N/16, K/32, 16], or [N/16, 1, 16] for one scale per output column
+//   mins   fp16 [N/16, K/32, 16] for the formats that store m; undefined otherwise
+struct QuantSegment {
+  at::Tensor codes, scales, mins;
+  int64_t format = kQuantQ8;
+};
+
+// y [M, N] (x's dtype, bf16 or fp32; fp32 if float_out) = x [M, K] · Wᵀ + bias for W the
+// segments stacked by rows; x is quantized per row and block of 32 (the int8 compute format). Any M.
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<QuantSegment>& w, const c10::optional<at::Tensor>& bias,
+                        bool float_out = false);
+// Rows `ids` of W dequantized ([T, K] in `dtype`): the embedding lookup of a quantized table.
+at::Tensor quant_embedding(const at::Tensor& ids, const std::vector<QuantSegment>& w, int64_t K, at::ScalarType dtype);
+int64_t quant_out_features(const std::vector<QuantSegment>& w);
 
 // ---- linear.cpp ---------------------------------------------------------------------------
 
@@ -129,12 +170,17 @@ struct Projection {
   int64_t gemv_max_rows = 0;     // 1..gemv_max_rows rows -> GEMV; 0 = no GEMV
   int64_t amx_max_rows = 0;      // (gemv_max_rows, amx_max_rows] rows -> AMX; 0 = no AMX
   bool silu_interleaved = false; // `amx` holds [gate; up] with 16-row blocks interleaved
+  bool gemv_all_rows = false;    // `gemv` (VNNI tiles) serves every row count (gemm_vnni past gemv_max_rows)
+  std::vector<QuantSegment> quant;  // block-quantized weight: quant_linear serves every row count, the rest is unset
+  bool float_out = false;           // quant: fp32 results (the LM head's logits: bf16 would tie near-equal ones)
 };
 
 // y = x·Wᵀ + b, dispatched by x.size(0) (x is [rows, K]):
+//   quant not empty -> quant_linear(x, quant, bias) for every row count;
 //   0 rows -> an empty [0, N] result;
 //   rows <= gemv_max_rows -> gemv_vnni(x, gemv) if gemv defined else gemv_bf16(x, weight), then bias added in place to the bf16 result;
 //   rows <= amx_max_rows and !silu_interleaved -> amx_linear(x, amx, bias);
+//   gemv_all_rows -> gemm_vnni(x, gemv) (+ bias), for every row count past the GEMV's;
 //   onednn defined -> the boxed mkldnn::_linear_pointwise(x.contiguous(), onednn, bias, "none", [], "");
 //   otherwise at::linear(x, weight, bias).
 // A branch whose copy is missing (GEMV rows without gemv or weight, AMX rows without amx,
@@ -157,6 +203,8 @@ struct DecodeModel {  // built once per loaded model (and again when the KV pool
   at::Tensor cos_half, sin_half;  // RoPE tables [max_pos, H/2] fp32
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
+  // int8 pools' scales [num_blocks, block_size, N_kv] fp32, one per layer; empty for float pools
+  std::vector<at::Tensor> k_scales, v_scales;
 };
 
 // Every decoder layer of a decode batch in one call; returns the residual stream after the

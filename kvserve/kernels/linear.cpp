@@ -38,6 +38,7 @@ c10::optional<at::Tensor> optional_bias(const Projection& p) {
 
 // N, from whichever copy of the weight the projection has
 int64_t out_features(const Projection& p) {
+  if (!p.quant.empty()) return quant_out_features(p.quant);
   if (p.weight.defined()) return p.weight.size(0);
   if (p.onednn.defined()) return p.onednn.size(0);
   if (p.gemv.defined()) return p.gemv.size(0) * kWeightTileRows;
@@ -50,6 +51,7 @@ int64_t out_features(const Projection& p) {
 at::Tensor linear(const at::Tensor& x, const Projection& p) {
   TORCH_CHECK(x.dim() == 2, "linear: x must be [rows, K], got ", x.dim(), " dimensions");
   const int64_t rows = x.size(0);
+  if (!p.quant.empty()) return quant_linear(x, p.quant, optional_bias(p), p.float_out);
   if (rows == 0) return at::empty({0, out_features(p)}, x.options());
   if (rows <= p.gemv_max_rows) {
     TORCH_CHECK(p.gemv_max_rows <= kGemvMaxRows, "linear: Projection.gemv_max_rows is ", p.gemv_max_rows,
@@ -63,6 +65,11 @@ at::Tensor linear(const at::Tensor& x, const Projection& p) {
     TORCH_CHECK(p.amx.defined(), "linear: ", rows, " rows go to the AMX kernel (Projection.amx_max_rows = ",
                 p.amx_max_rows, ") but Projection.amx is not set");
     return amx_linear(x, p.amx, optional_bias(p));
+  }
+  if (p.gemv_all_rows) {
+    TORCH_CHECK(p.gemv.defined(), "linear: Projection.gemv_all_rows is set but Projection.gemv is not");
+    at::Tensor y = gemm_vnni(x, p.gemv);
+    return p.bias.defined() ? y.add_(p.bias) : y;
   }
   if (p.onednn.defined()) return onednn_linear(x.contiguous(), p.onednn, p.bias);
   TORCH_CHECK(p.weight.defined(), "linear: ", rows, " rows are past the GEMV's and AMX's (Projection.gemv_max_rows = ",

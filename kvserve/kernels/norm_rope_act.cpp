@@ -1,13 +1,16 @@
 // The fused elementwise steps of a layer: rms_norm (optionally after the residual add),
-// rope_and_cache (RoPE on Q and K, K/V written to their pool slots), silu_and_mul. Each
-// replaces 5-10 small torch ops whose per-call overhead dominates at decode sizes.
+// rope_and_cache (RoPE on Q and K, K/V written to their pool slots; rope_and_cache_int8
+// quantizes them into int8 pools and their scales), silu_and_mul. Each replaces 5-10 small
+// torch ops whose per-call overhead dominates at decode sizes.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #include "vec_math.h"
@@ -118,6 +121,73 @@ at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_t
           for (int64_t h = 0; h < num_kv_heads; ++h) {
             rope_row(row + (num_heads + h) * head_dim, kdst + h * head_dim, c, s_, head_dim);
             copy_row(row + (num_heads + num_kv_heads + h) * head_dim, vdst + h * head_dim, head_dim);
+          }
+        }
+      });
+  });
+  return q;
+}
+
+namespace {
+
+// The int8 KV rule of kvserve/attention/paged.py quantize_kv, for one row of H values (a
+// multiple of 16) of one position and KV head: scale = max|x| / 127, q = round(x / scale)
+// clamped to ±127 (the conversion rounds half to even, as torch.round), a zero row q = 0,
+// scale 0. A true division, as torch's, so both writers store the same bytes for the same x.
+template <typename T>
+void quantize_row(const T* x, int64_t H, int8_t* dst, float* scale_out) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x + i)));
+  const float scale = _mm512_reduce_max_ps(mx) / 127.f;
+  *scale_out = scale;
+  const __m512 div = _mm512_set1_ps(scale > 0.f ? scale : 1.f);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t i = 0; i < H; i += 16) {
+    const __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(load16(x + i), div), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+  }
+}
+
+}  // namespace
+
+// rope_and_cache for int8 pools: the same RoPE; K (rotated, rounded to the model dtype as the
+// float cache would hold it) and V quantized per KV head (quantize_row) into their slots of
+// the int8 pools, the scales into k_scale / v_scale [num_blocks, block_size, N_kv] fp32.
+at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
+                               at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale, at::Tensor v_scale,
+                               at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous(), "rope_and_cache_int8: contiguous");
+  TORCH_CHECK(k_pool.scalar_type() == at::kChar && v_pool.scalar_type() == at::kChar &&
+                  k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat,
+              "rope_and_cache_int8: int8 pools and float32 scales");
+  TORCH_CHECK(k_scale.numel() * head_dim == k_pool.numel() && v_scale.numel() * head_dim == v_pool.numel(),
+              "rope_and_cache_int8: one scale per (slot, KV head)");
+  TORCH_CHECK(head_dim % kRopeHeadDimMultiple == 0, "rope_and_cache_int8: head_dim % ", kRopeHeadDimMultiple, " == 0, got ", head_dim);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "int64 positions/slots");
+  const int64_t T_ = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
+  auto q = at::empty({T_, num_heads, head_dim}, qkv.options());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cos = cos_table.data_ptr<float>();
+  const float* sin = sin_table.data_ptr<float>();
+  int8_t* kq = k_pool.data_ptr<int8_t>();
+  int8_t* vq = v_pool.data_ptr<int8_t>();
+  float* ks = k_scale.data_ptr<float>();
+  float* vs = v_scale.data_ptr<float>();
+  dispatch_f32_bf16(qkv.scalar_type(), "rope_and_cache_int8", [&](auto tag) {
+      using T = decltype(tag);
+      at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
+        std::vector<T> rotated(head_dim);  // one K head after RoPE, in the model dtype
+        for (int64_t t = b; t < e; ++t) {
+          const T* row = qkv.data_ptr<T>() + t * width;
+          const float* c = cos + pos[t] * half; const float* s_ = sin + pos[t] * half;
+          for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * head_dim, q.data_ptr<T>() + (t * num_heads + h) * head_dim, c, s_, head_dim);
+          const int64_t slot = slots[t] * num_kv_heads;  // (slot, head 0) in the scale pools
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            rope_row(row + (num_heads + h) * head_dim, rotated.data(), c, s_, head_dim);
+            quantize_row(rotated.data(), head_dim, kq + (slot + h) * head_dim, ks + slot + h);
+            quantize_row(row + (num_heads + num_kv_heads + h) * head_dim, head_dim, vq + (slot + h) * head_dim, vs + slot + h);
           }
         }
       });

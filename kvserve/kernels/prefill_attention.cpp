@@ -17,9 +17,16 @@
 //   2. per (segment, query head, block of 16 queries): scores against every key block the
 //      block can see, a row-wise causal softmax in fp32 (probabilities rounded to bf16 once,
 //      as the decode kernel does), then P·V into four C tiles at a time.
+//
+// int8 pools (a scale per position and KV head, kvserve/attention/paged.py quantize_kv) are
+// packed into the same tiles, each int8 as the bf16 of the same value (exact: |q| <= 127),
+// and their scales are kept per (segment, KV head) beside them: the K scale multiplies each
+// key's score before the softmax, the V scale each key's probability before it is rounded
+// to bf16. So the products, AMX or AVX512, read the same tiles as for bf16 pools.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <c10/util/bit_cast.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -36,10 +43,49 @@ constexpr int kQueries = 16;   // queries per work unit: the rows of an A tile
 constexpr int kKeyBlock = 16;  // keys per S tile (columns of the K tile)
 constexpr int kKeyPair = 32;   // keys per P·V step (K depth of the V tile)
 
-// Packed K/V of one (segment, KV head): offsets into the shared buffer, in uint32 pairs.
+// Packed K/V of one (segment, KV head): offsets into the shared buffer, in uint32 pairs;
+// for int8 pools also its keys' K and V scales (fp32, ctx of each rounded up to 32 keys).
 struct PackedKV {
-  int64_t k_offset, v_offset;
+  int64_t k_offset, v_offset, scale_offset;
 };
+
+// the bf16 bits of an int8 value (exact)
+inline uint32_t int8_bf16(int8_t v) { return c10::bit_cast<uint32_t>(static_cast<float>(v)) >> 16; }
+
+// pack_keys for int8 pools: the same tiles, each element the bf16 of its int8 value
+void pack_keys_int8(const int8_t* k_pool, int64_t row_elems, int64_t head, const int64_t* slots, int64_t ctx, int64_t D,
+                    uint32_t* out) {
+  const int64_t chunks = D / 32, blocks = (ctx + kKeyBlock - 1) / kKeyBlock;
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int n = 0; n < kKeyBlock; ++n) {
+      const int64_t key = j * kKeyBlock + n;
+      const int8_t* row = key < ctx ? k_pool + slots[key] * row_elems + head * D : nullptr;
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint32_t* tile = out + (j * chunks + c) * 256;
+        for (int kp = 0; kp < 16; ++kp)
+          tile[kp * 16 + n] = row ? int8_bf16(row[c * 32 + 2 * kp]) | (int8_bf16(row[c * 32 + 2 * kp + 1]) << 16) : 0u;
+      }
+    }
+}
+
+// pack_values for int8 pools
+void pack_values_int8(const int8_t* v_pool, int64_t row_elems, int64_t head, const int64_t* slots, int64_t ctx,
+                      int64_t D, uint32_t* out) {
+  const int64_t chunks = D / 16, blocks = (ctx + kKeyPair - 1) / kKeyPair;
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int kp = 0; kp < 16; ++kp) {
+      const int64_t k0 = j * kKeyPair + 2 * kp, k1 = k0 + 1;
+      const int8_t* r0 = k0 < ctx ? v_pool + slots[k0] * row_elems + head * D : nullptr;
+      const int8_t* r1 = k1 < ctx ? v_pool + slots[k1] * row_elems + head * D : nullptr;
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint32_t* row = out + ((j * chunks + c) * 16 + kp) * 16;
+        for (int f = 0; f < 16; ++f) {
+          const uint32_t lo = r0 ? int8_bf16(r0[c * 16 + f]) : 0u, hi = r1 ? int8_bf16(r1[c * 16 + f]) : 0u;
+          row[f] = lo | (hi << 16);
+        }
+      }
+    }
+}
 
 // K rows (slots[0..ctx)) of one KV head → [ceil(ctx/16)][D/32][16 kp][16 keys] pairs.
 void pack_keys(const uint32_t* k_pool, int64_t row_pairs, int64_t head, const int64_t* slots, int64_t ctx,
@@ -169,12 +215,22 @@ void block_scores(ProductsFn products, const uint16_t* qa, int64_t q_stride, con
 
 // Row r of S: scale, softmax over its first `visible` keys, bf16 probabilities into p (zeros
 // after, up to `width`, a multiple of 32). The row is overwritten with the exponentials.
-void softmax_row(float* s, int64_t visible, int64_t width, float scale, uint16_t* p) {
+// Scaled (int8 pools): key k's score is first multiplied by ks[k] (in place), its
+// probability by vs[k] before rounding (ks, vs >= 0).
+template <bool Scaled>
+void softmax_row(float* s, int64_t visible, int64_t width, float scale, uint16_t* p, const float* ks = nullptr,
+                 const float* vs = nullptr) {
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 mx = _mm512_set1_ps(-INFINITY);
   int64_t k = 0;
+  const __mmask16 tail = static_cast<__mmask16>((1u << ((visible - visible / 16 * 16))) - 1);
+  if constexpr (Scaled) {
+    for (int64_t i = 0; i < visible; i += 16) {
+      const __mmask16 m = i + 16 <= visible ? __mmask16(0xFFFF) : tail;
+      _mm512_mask_storeu_ps(s + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + i), _mm512_maskz_loadu_ps(m, ks + i)));
+    }
+  }
   for (; k + 16 <= visible; k += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + k));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - k)) - 1);
   if (k < visible) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + k));
   const __m512 mxs = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
   // two passes over the row: e^(s·scale − max) in place, then normalise and round
@@ -193,9 +249,11 @@ void softmax_row(float* s, int64_t visible, int64_t width, float scale, uint16_t
   }
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
   int64_t done = 0;
-  for (; done < k; done += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + done),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(e + done), inv)));
+  for (; done < k; done += 16) {
+    __m512 prob = _mm512_mul_ps(_mm512_loadu_ps(e + done), inv);
+    if constexpr (Scaled) prob = _mm512_mul_ps(prob, _mm512_loadu_ps(vs + done));  // vs: whole 32-key rows
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + done), (__m256i)_mm512_cvtneps_pbh(prob));
+  }
   for (; done < width; done += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + done), _mm256_setzero_si256());
 }
 
@@ -211,14 +269,26 @@ void block_values(ProductsFn products, const uint16_t* p, int64_t p_ld, const ui
 }  // namespace
 
 // q, out: [T, N_q, D] bf16 (out written only at the segments' rows); pools [num_blocks,
-// block_size, N_kv, D] bf16; slots: int64, every segment's context slots back to back;
+// block_size, N_kv, D] bf16, or int8 with their scales k_scale / v_scale [num_blocks,
+// block_size, N_kv] fp32; slots: int64, every segment's context slots back to back;
 // segments: int64 [n, 4] = (query_start, num_new, num_cached, slot_offset).
 void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
-                             at::Tensor segments, double scale, at::Tensor out) {
+                             at::Tensor segments, double scale, at::Tensor out, c10::optional<at::Tensor> k_scale,
+                             c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && out.sizes() == q.sizes(), "paged_prefill_attention: shapes");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
-                  v_pool.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: bf16 only");
+  const bool int8 = k_pool.scalar_type() == at::kChar;
+  const auto pool_type = int8 ? at::kChar : at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == pool_type &&
+                  v_pool.scalar_type() == pool_type && out.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: bf16 queries, bf16 or int8 pools");
+  if (int8) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
+                "paged_prefill_attention: int8 pools need contiguous float32 scales, one per (slot, KV head)");
+  } else {
+    TORCH_CHECK(!k_scale && !v_scale, "paged_prefill_attention: scales are for int8 pools only");
+  }
   TORCH_CHECK(slots.scalar_type() == at::kLong && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
                   segments.size(1) == 4, "paged_prefill_attention: int64 slots and [n, 4] segments");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "contiguous pools and out");
@@ -242,21 +312,37 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
     TORCH_CHECK(seg[i * 4 + 3] + ctx <= slots.numel() && seg[i * 4] + seg[i * 4 + 1] <= q.size(0), "segment ", i, " out of range");
     const int64_t k_size = (ctx + kKeyBlock - 1) / kKeyBlock * k_chunks * 256;
     const int64_t v_size = (ctx + kKeyPair - 1) / kKeyPair * v_chunks * 256;
+    const int64_t scale_size = int8 ? 2 * ((ctx + kKeyPair - 1) / kKeyPair * kKeyPair) : 0;  // K's, then V's
     for (int64_t h = 0; h < num_kv; ++h) {
-      packed[i * num_kv + h] = {total, total + k_size};
-      total += k_size + v_size;
+      packed[i * num_kv + h] = {total, total + k_size, total + k_size + v_size};
+      total += k_size + v_size + scale_size;
     }
   }
   auto buffer = at::empty({std::max<int64_t>(total, 1)}, q.options().dtype(at::kInt));
   auto* buf = reinterpret_cast<uint32_t*>(buffer.data_ptr<int32_t>());
-  const auto* kpool = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
-  const auto* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
   at::parallel_for(0, n * num_kv, 1, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
       const int64_t i = u / num_kv, h = u % num_kv, ctx = seg[i * 4 + 1] + seg[i * 4 + 2];
       const int64_t* s = slot + seg[i * 4 + 3];
-      pack_keys(kpool, num_kv * D / 2, h, s, ctx, D, buf + packed[u].k_offset);
-      pack_values(vpool, num_kv * D, h, s, ctx, D, buf + packed[u].v_offset);
+      if (int8) {
+        pack_keys_int8(k_pool.data_ptr<int8_t>(), num_kv * D, h, s, ctx, D, buf + packed[u].k_offset);
+        pack_values_int8(v_pool.data_ptr<int8_t>(), num_kv * D, h, s, ctx, D, buf + packed[u].v_offset);
+        // the keys' scales, zero past ctx (those keys' probabilities are zero anyway)
+        const int64_t padded = (ctx + kKeyPair - 1) / kKeyPair * kKeyPair;
+        float* ks = reinterpret_cast<float*>(buf + packed[u].scale_offset);
+        float* vs = ks + padded;
+        const float* k_sc = k_scale->data_ptr<float>();
+        const float* v_sc = v_scale->data_ptr<float>();
+        for (int64_t key = 0; key < padded; ++key) {
+          ks[key] = key < ctx ? k_sc[s[key] * num_kv + h] : 0.f;
+          vs[key] = key < ctx ? v_sc[s[key] * num_kv + h] : 0.f;
+        }
+      } else {
+        pack_keys(reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>()), num_kv * D / 2, h, s, ctx, D,
+                  buf + packed[u].k_offset);
+        pack_values(reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), num_kv * D, h, s, ctx, D,
+                    buf + packed[u].v_offset);
+      }
     }
   });
 
@@ -297,8 +383,15 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
       block_scores(products, qa, q_stride, buf + kv.k_offset, k_chunks, (seen + kKeyBlock - 1) / kKeyBlock, s_buf.data(), width);
       for (int64_t r = 0; r < kQueries; ++r) {
         uint16_t* p = p_buf.data() + r * width;
-        if (r < rows) softmax_row(s_buf.data() + r * width, s0 + first + r + 1, width, fscale, p);
-        else std::memset(p, 0, width * 2);
+        if (r >= rows) {
+          std::memset(p, 0, width * 2);
+        } else if (int8) {
+          const float* ks = reinterpret_cast<const float*>(buf + kv.scale_offset);
+          const int64_t padded = (s0 + m + kKeyPair - 1) / kKeyPair * kKeyPair;  // this segment's ctx, rounded
+          softmax_row<true>(s_buf.data() + r * width, s0 + first + r + 1, width, fscale, p, ks, ks + padded);
+        } else {
+          softmax_row<false>(s_buf.data() + r * width, s0 + first + r + 1, width, fscale, p);
+        }
       }
       block_values(products, p_buf.data(), width, buf + kv.v_offset, v_chunks, width / kKeyPair, o_buf.data());
       for (int64_t r = 0; r < rows; ++r) {

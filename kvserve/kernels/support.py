@@ -65,10 +65,11 @@ class ProjectionPlan:
     onednn: bool
     silu_interleaved: bool  # the AMX copy holds [gate; up] in alternating 16-row blocks
     argmax_max_rows: int  # the AMX argmax epilogue serves (gemv_max_rows, argmax_max_rows]; 0 = off
+    gemv_all_rows: bool = False  # the VNNI-tile copy serves every row count (gemm_vnni): the one copy kept
 
     @property
     def keep_row_major(self) -> bool:
-        return not self.gemv_vnni or not self.onednn
+        return not self.gemv_vnni or not (self.onednn or self.gemv_all_rows)
 
 
 def _onednn_packing_available() -> bool:
@@ -97,6 +98,7 @@ class KernelSupport:
     silu_epilogue: KernelChoice
     argmax_epilogue: KernelChoice
     fused_decode: KernelChoice
+    quant_linear: KernelChoice
     gemv_max_rows: int = 0
     amx_argmax_max_rows: int = 0
     tile_rows: int = 16
@@ -115,9 +117,10 @@ class KernelSupport:
     @classmethod
     def decide(
         cls, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, ops: CpuOps | None,
-        prepack_weights: bool = True,
+        prepack_weights: bool = True, kv_dtype: torch.dtype | None = None,
     ) -> "KernelSupport":
-        """`ops`: the compiled module (kvserve.kernels.cpu_ops()), or None where it is off."""
+        """`ops`: the compiled module (kvserve.kernels.cpu_ops()), or None where it is off.
+        `kv_dtype`: the KV pools' elements (None: the model's dtype); int8 pools carry scales."""
         if device.type != "cpu":
             return cls.none(f"the kernels are CPU kernels; this model runs on {device}")
         if ops is None:
@@ -130,6 +133,12 @@ class KernelSupport:
         amx = bool(ops.amx_available())
         bf16 = dtype == torch.bfloat16
         g, hd = arch.queries_per_kv_head, arch.head_dim
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        int8_kv = kv_dtype == torch.int8
+        # the attention and RoPE/cache kernels read pools of the model's dtype, or int8 ones
+        kv_problem = None if int8_kv or kv_dtype == dtype else (
+            f"KV pools of {str(kv_dtype).removeprefix('torch.')} under a {str(dtype).removeprefix('torch.')} model"
+        )
 
         def multiple(value: int, of: int, what: str) -> str | None:
             return None if value % of == 0 else f"{what} {value} is not a multiple of {of}"
@@ -138,22 +147,30 @@ class KernelSupport:
             problems = [p for p in problems if p]
             return KernelChoice.off("; ".join(problems)) if problems else KernelChoice.on(why_on)
 
-        hd_multiple = lim["decode_attention_head_dim_multiple_bf16" if bf16 else "decode_attention_head_dim_multiple_fp32"]
+        # int8 pools are read in 32-feature chunks, as bf16 ones
+        hd_multiple = lim["decode_attention_head_dim_multiple_bf16" if bf16 or int8_kv else "decode_attention_head_dim_multiple_fp32"]
         decode_attention = verdict(
             [
+                kv_problem,
                 multiple(hd, hd_multiple, "head_dim"),
                 None if hd <= lim["decode_attention_max_head_dim"] else f"head_dim {hd} > {lim['decode_attention_max_head_dim']}",
                 None if g <= lim["decode_attention_max_queries_per_kv_head"]
                 else f"{g} query heads per KV head > {lim['decode_attention_max_queries_per_kv_head']}",
             ],
-            f"in place over the block tables, g={g} query heads per KV row read" + (" (AMX tiles)" if amx and bf16 else ""),
+            f"in place over the block tables, g={g} query heads per KV row read"
+            # int8 rows are widened in registers on the AVX512 path; AMX tiles read bf16 pools only
+            + (" (int8 K/V dequantized in registers, AVX512)" if int8_kv else " (AMX tiles)" if amx and bf16 else ""),
         )
         prefill_attention = verdict(
-            [None if bf16 else "bfloat16 only", multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim")],
-            "packed K/V tiles" + (" on AMX" if amx else " with AVX512-BF16 dot products"),
+            [None if bf16 else "bfloat16 only", kv_problem, multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim")],
+            # int8 K/V are packed into the same bf16 tiles (exactly), their scales applied to scores and probabilities
+            "packed K/V tiles" + (" from int8 pools" if int8_kv else "") + (" on AMX" if amx else " with AVX512-BF16 dot products"),
         )
         rms_norm = verdict([multiple(arch.hidden_size, lim["rms_norm_width_multiple"], "hidden_size")], "fused residual add")
-        rope_and_cache = verdict([multiple(hd, lim["rope_head_dim_multiple"], "head_dim")], "RoPE and the K/V write in one pass")
+        rope_and_cache = verdict(
+            [kv_problem, multiple(hd, lim["rope_head_dim_multiple"], "head_dim")],
+            "RoPE and the K/V write" + (" (quantized to int8)" if int8_kv else "") + " in one pass",
+        )
         silu_and_mul = verdict([multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")], "one pass")
         argmax_rows = KernelChoice.on("greedy rows of the sampler")
 
@@ -167,7 +184,8 @@ class KernelSupport:
         onednn_linear = verdict(
             [None if bf16 else "bfloat16 only", None if prepack_weights else "weights not prepacked (--no-prepack-weights)",
              None if _onednn_packing_available() else "this torch build has no oneDNN weight packing"],
-            f"past {AMX_MAX_ROWS if amx else lim['gemv_max_rows']} rows on oneDNN's packed copy",
+            f"past {AMX_MAX_ROWS} rows on oneDNN's packed copy" if amx
+            else "projections off the VNNI-tile grid (on it, the tiles serve every row count: one copy of the weight)",
         )
         silu_epilogue = verdict(
             [None if amx_linear.enabled else "needs the AMX linear kernel",
@@ -188,6 +206,7 @@ class KernelSupport:
             "all layers of a decode batch in one C++ call",
         )
         return cls(
+            quant_linear=cls.quant_linear_choice(dtype, device, ops),
             summary=f"kvserve CPU kernels, {'AMX-BF16' if amx else 'AVX512-BF16 without AMX'}",
             decode_attention=decode_attention, prefill_attention=prefill_attention, rms_norm=rms_norm,
             rope_and_cache=rope_and_cache, silu_and_mul=silu_and_mul, argmax_rows=argmax_rows, gemv=gemv,
@@ -195,6 +214,24 @@ class KernelSupport:
             argmax_epilogue=argmax_epilogue, fused_decode=fused_decode, gemv_max_rows=lim["gemv_max_rows"],
             amx_argmax_max_rows=lim["amx_argmax_max_rows"], tile_rows=lim["tile_rows"], tile_k=lim["tile_k"], amx=amx, prepack_weights=prepack_weights, ops=ops,
         )  # fmt: skip
+
+    @staticmethod
+    def quant_linear_choice(dtype: torch.dtype, device: torch.device, ops: CpuOps | None) -> KernelChoice:
+        """The verdict on quant_linear alone: the engine needs it before loading, to choose the
+        format the weights are loaded in."""
+        from kvserve.kernels import cpu_has, unavailable_reason
+
+        if device.type != "cpu":
+            return KernelChoice.off(f"a CPU kernel; this model runs on {device}")
+        if ops is None:
+            return KernelChoice.off(f"the CPU kernels are not loaded ({unavailable_reason() or 'turned off in the engine config'})")
+        if dtype != torch.bfloat16:
+            return KernelChoice.off(f"bfloat16 activations only; the model runs in {str(dtype).removeprefix('torch.')}")
+        if not cpu_has("avx512_vnni"):
+            return KernelChoice.off("the CPU lacks avx512_vnni")
+        return KernelChoice.on(
+            "block-quantized weights (GGUF Q8_0/Q4_0/Q4_1, repacked K-quants, int8/int4) as int8 dot products, every row count"
+        )
 
     def op(self, name: str):
         """The compiled module if kernel `name` (a KernelChoice field: rms_norm, rope_and_cache,
@@ -216,14 +253,18 @@ class KernelSupport:
         amx = self.amx_linear.enabled and on_grid
         interleaved = amx and silu_mul and self.silu_epilogue.enabled
         argmax_rows = min(AMX_MAX_ROWS, self.amx_argmax_max_rows) if amx and argmax and self.argmax_epilogue.enabled else 0
+        vnni = on_grid and self.prepack_weights and not self.amx
         return ProjectionPlan(
             gemv_max_rows=self.gemv_max_rows,
             # without AMX the GEMV reads a VNNI-tile copy, streamed in order (the row-major GEMV
             # read ~22 GB/s where the tiles read ~39 on a Zen 4); AMX machines' GEMV keeps the
             # row-major weight, as it has not been measured there on the tiles
-            gemv_vnni=on_grid and self.prepack_weights and not self.amx,
+            gemv_vnni=vnni,
             amx_max_rows=AMX_MAX_ROWS if amx else 0,
-            onednn=self.onednn_linear.enabled,
+            # without AMX the tiles also serve prefill (gemm_vnni, on a par with oneDNN's own
+            # layout), so the weight is held once; oneDNN only for projections off their grid
+            onednn=self.onednn_linear.enabled and not vnni,
+            gemv_all_rows=vnni,
             silu_interleaved=interleaved,
             argmax_max_rows=argmax_rows,
         )

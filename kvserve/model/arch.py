@@ -26,13 +26,21 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_HF_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 
 
-def kv_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_kv_element: float) -> float:
-    """c_kv = 2·L·N_kv·H·p_kv bytes (the 2 is K and V, every layer).
+def kv_bytes_per_position(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_kv_element: float, scale_bytes: float = 0
+) -> float:
+    """c_kv = 2·L·N_kv·(H·p_kv + s) bytes (the 2 is K and V, every layer).
 
     An int p_kv (the engine's element size) gives an int; the planner passes fractional
-    bytes too (0.5 for 4-bit KV).
+    bytes too (0.5 for 4-bit KV). `scale_bytes` s: a quantized KV cache's scale per
+    (position, KV head) beside the H elements (the engine's int8 KV: p_kv = 1, s = 4, an
+    fp32 scale; KV_INT8_SCALE_BYTES); 0 for a float cache.
     """
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_kv_element
+    return 2 * num_layers * num_kv_heads * (head_dim * bytes_per_kv_element + scale_bytes)
+
+
+# the engine's int8 KV cache keeps one fp32 scale per (position, KV head) beside each pool
+KV_INT8_SCALE_BYTES = 4
 
 
 def llama_layer_params(
@@ -111,9 +119,14 @@ class ModelArchitecture:
         """g = N_q / N_kv: Query heads that share one KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_position(self, kv_element_bytes: float) -> float:
-        """c_kv = 2 · L · N_kv · H · p_kv (K and V, every layer); an int for an int p_kv."""
-        return kv_bytes_per_position(self.num_layers, self.num_kv_heads, self.head_dim, kv_element_bytes)
+    def kv_bytes_per_position(self, kv_element_bytes: float, scale_bytes: float = 0) -> float:
+        """c_kv = 2 · L · N_kv · (H · p_kv + s) (K and V, every layer); an int for an int p_kv.
+        `scale_bytes` s: a quantized cache's scale per (position, KV head), 0 for a float one."""
+        return kv_bytes_per_position(self.num_layers, self.num_kv_heads, self.head_dim, kv_element_bytes, scale_bytes)
+
+    def kv_int8_bytes_per_position(self) -> int:
+        """c_kv of the engine's int8 KV cache: int8 elements and an fp32 scale per (position, KV head)."""
+        return self.kv_bytes_per_position(1, KV_INT8_SCALE_BYTES)
 
     @property
     def decoder_layer_params(self) -> int:

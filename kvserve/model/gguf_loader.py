@@ -59,30 +59,87 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_weights(reader, arch: ModelArchitecture, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def is_quantizable(name: str) -> bool:
+    """The weights a quantized format applies to: projections, the LM head and the embedding
+    table (norms, biases and RoPE factors stay float)."""
+    return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def _tensor_bytes(path: Path, tensor) -> np.ndarray:
+    """The tensor's raw bytes read into fresh memory ([rows, bytes per row], HF's row order
+    not yet restored). Read, not mapped: pages of a mapping stay resident until the whole
+    reader goes, which doubles the peak memory of a load."""
+    count = int(tensor.n_bytes)
+    raw = np.fromfile(path, dtype=np.uint8, count=count, offset=int(tensor.data_offset))
+    rows = int(tensor.shape[-1])  # torch's first dimension (GGUF lists dims fastest-first)
+    return raw.reshape(rows, count // rows)
+
+
+def read_weights(
+    reader, arch: ModelArchitecture, dtype: torch.dtype, quantization: str = "none", path: Path | None = None,
+    notes: list[str] | None = None, transform=None,
+) -> dict:
+    """Weights in HF naming. `quantization` (resolved by the engine): "none" dequantizes every
+    tensor to `dtype`; "native" keeps the quantized projections in a format quant_linear runs
+    (kvserve.model.quant_formats: GGUF_NATIVE as they are, GGUF_REPACKED repacked) and
+    dequantizes the other types, saying so in `notes`. `transform(name, tensor)` is applied to
+    each float tensor as it is read (quantization at load)."""
     import gguf
 
-    weights: dict[str, torch.Tensor] = {}
+    from kvserve.model import quant_formats
+
+    path = Path(path or reader.data.filename)
+    weights: dict = {}
     permute = arch.architecture in ("llama", "mistral")
+    dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             raise UnsupportedModelError(f"unsupported GGUF tensor {tensor.name!r}")
+        type_name = getattr(tensor.tensor_type, "name", None)
+        if type_name is None or type_name not in gguf.GGMLQuantizationType.__members__:
+            raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} has an unknown tensor type {tensor.tensor_type!r}")
+        # GGUF lists dims fastest-first; torch's [out, in] is the reverse
+        shape = [int(d) for d in reversed(tensor.shape)]
+        heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads if ".k_proj." in name else 0
+        raw = _tensor_bytes(path, tensor)
+        if permute and heads:
+            raw = _unpermute_rows(raw, heads)
+        runnable = type_name in quant_formats.GGUF_NATIVE + quant_formats.GGUF_REPACKED
+        if (
+            quantization == "native" and runnable and is_quantizable(name) and len(shape) == 2
+            and quant_formats.packable(*shape)
+        ):  # fmt: skip
+            weights[name] = quant_formats.from_gguf(type_name, raw, *shape)
+            continue
+        if type_name not in _FLOAT_TYPES and is_quantizable(name):
+            dequantized[type_name] = dequantized.get(type_name, 0) + 1
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = gguf.quants.dequantize(raw, tensor.tensor_type)
         except NotImplementedError as exc:
-            raise UnsupportedModelError(
-                f"unsupported GGUF tensor type {tensor.tensor_type.name} (tensor {tensor.name!r})"
-            ) from exc
-        # GGUF lists dims fastest-first; numpy's shape is the reverse, i.e. torch's [out, in]
-        array = np.array(array, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
-        if permute and ".q_proj." in name:
-            array = _unpermute_rows(array, arch.num_heads)
-        elif permute and ".k_proj." in name:
-            array = _unpermute_rows(array, arch.num_kv_heads)
+            raise UnsupportedModelError(f"unsupported GGUF tensor type {type_name} (tensor {tensor.name!r})") from exc
+        array = np.asarray(array, dtype=np.float32).reshape(shape)
         # RoPE frequency factors stay fp32: they scale angles, not activations
-        weights[name] = torch.from_numpy(array).to(torch.float32 if name == "rope_freqs" else dtype)
+        tensor = torch.from_numpy(array).to(torch.float32 if name == "rope_freqs" else dtype)
+        weights[name] = transform(name, tensor) if transform else tensor
+    if quantization == "native" and dequantized and notes is not None:
+        kinds = ", ".join(f"{n} x {t}" for t, n in sorted(dequantized.items()))
+        notes.append(f"dequantized to {str(dtype).removeprefix('torch.')} at load (no kernel for their type): {kinds}")
     return weights
+
+
+def quantized_projection_types(reader) -> list[str]:
+    """The quantized (non-float) tensor types of the projections, embedding and LM head."""
+    found = []
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        type_name = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        if name and is_quantizable(name) and type_name not in _FLOAT_TYPES and type_name not in found:
+            found.append(type_name)
+    return found
 
 
 def load_tokenizer(path: Path):

@@ -40,7 +40,9 @@ def read_architecture(model_dir: Path) -> ModelArchitecture:
         raise ModelLoadError(f"{config_path}: missing field {exc.args[0]!r}") from exc
 
 
-def read_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: Path, dtype: torch.dtype, transform=None) -> dict:
+    """Every tensor in `dtype`; `transform(name, tensor)` (e.g. quantization at load) applied to
+    each as it is read, so the float model never exists whole."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weight files (pickle checkpoints are not loaded)")
@@ -50,7 +52,8 @@ def read_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                weights[name] = f.get_tensor(name).to(dtype)
+                tensor = f.get_tensor(name).to(dtype)
+                weights[name] = transform(name, tensor) if transform else tensor
     return weights
 
 

@@ -12,24 +12,32 @@ from torch import nn
 
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.linear_methods import LinearMethod, choose_linear_method
+from kvserve.model.quant_formats import QuantizedWeight
 
 
 class Linear(nn.Module):
+    """`weight`: a float tensor, or a QuantizedWeight (kept as `qweight`; `weight` is then None)."""
+
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelSupport, *, argmax: bool = False,
-        silu_mul: bool = False,
+        self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, kernels: KernelSupport, *,
+        argmax: bool = False, silu_mul: bool = False,
     ):  # fmt: skip
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        quantized = isinstance(weight, QuantizedWeight)
+        self.qweight = weight if quantized else None
+        self.weight = None if quantized else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.method: LinearMethod = choose_linear_method(
-            kernels, self.out_features, self.in_features, silu_mul=silu_mul, argmax=argmax
+            kernels, self.out_features, self.in_features, silu_mul=silu_mul, argmax=argmax, quantized=quantized
         )
         self.kernel = None  # what the method's kernels read (an ops.Projection), once processed
 
     def process_weights_after_loading(self) -> None:
-        self.method.process_weights_after_loading(self)
+        """Once: the model packs each layer's projections as it builds it (on the CPU), then
+        asks every projection again once the model is on its device."""
+        if self.kernel is None:
+            self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
@@ -37,6 +45,10 @@ class Linear(nn.Module):
     def fused_projection(self):
         """What the fused decode step reads for this projection (an ops.Projection), or None."""
         return self.method.fused_projection(self)
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (this layer as an embedding table)."""
+        return self.method.embedding_rows(self, ids)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of forward(x), taken inside the kernel where the method can; else None."""
@@ -46,11 +58,18 @@ class Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.method.describe(self)}"
 
 
+def cat_rows(weights: list) -> torch.Tensor | QuantizedWeight:
+    """Weights stacked by output rows (QKV, gate/up), float or quantized alike."""
+    if isinstance(weights[0], QuantizedWeight):
+        return QuantizedWeight.cat(weights)
+    return torch.cat(weights, dim=0)
+
+
 class GateUpSiluLinear(Linear):
     """[gate; up] in one matmul, returning silu(gate)·up: the SiLU MLP's first half."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, kernels: KernelSupport):
-        super().__init__(torch.cat([gate, up], dim=0), None, kernels, silu_mul=True)
+    def __init__(self, gate: torch.Tensor | QuantizedWeight, up: torch.Tensor | QuantizedWeight, kernels: KernelSupport):
+        super().__init__(cat_rows([gate, up]), None, kernels, silu_mul=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply_silu_mul(self, x)

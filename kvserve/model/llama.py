@@ -19,7 +19,8 @@ from kvserve.attention.paged import paged_attention, write_kv
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
-from kvserve.model.linear import Linear
+from kvserve.model.linear import Linear, cat_rows
+from kvserve.model.quant_formats import QuantizedWeight
 
 
 class RopeInputs:
@@ -49,24 +50,34 @@ class LlamaAttention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
         # Q, K and V in one matmul: one pass over the activations instead of three
-        qkv = torch.cat([w[f"{prefix}.{n}_proj.weight"] for n in "qkv"], dim=0)
-        bias = torch.cat([w[f"{prefix}.{n}_proj.bias"] for n in "qkv"], dim=0) if arch.attention_bias else None
+        qkv = cat_rows([w.pop(f"{prefix}.{n}_proj.weight") for n in "qkv"])
+        bias = torch.cat([w.pop(f"{prefix}.{n}_proj.bias") for n in "qkv"], dim=0) if arch.attention_bias else None
         self.qkv = Linear(qkv, bias, kernels)
-        self.o = Linear(w[f"{prefix}.o_proj.weight"], None, kernels)
+        self.o = Linear(w.pop(f"{prefix}.o_proj.weight"), None, kernels)
         self.rope_ops = kernels.op("rope_and_cache")
         self.decode_ops = kernels.op("decode_attention")
         self.prefill_ops = kernels.op("prefill_attention")
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
+        # int8 pools' scales [blocks, block_size, N_kv] fp32 (kvserve/attention/paged.py quantize_kv); None for float pools
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.rope_and_cache(self.qkv(x), rope, meta)
-        out = paged_attention(q, self.k_pool, self.v_pool, meta, self.scale, self.decode_ops, self.prefill_ops)
+        out = paged_attention(
+            q, self.k_pool, self.v_pool, meta, self.scale, self.decode_ops, self.prefill_ops, self.k_scale, self.v_scale
+        )
         return self.o(out.reshape(tokens, self.q_size))
 
     def rope_and_cache(self, qkv: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata) -> torch.Tensor:
         """RoPE on Q and K; the new K/V written to their slots before anyone attends. Returns Q."""
+        if self.rope_ops is not None and self.k_scale is not None:
+            return self.rope_ops.rope_and_cache_int8(
+                qkv, rope.positions, rope.cos_half, rope.sin_half, self.k_pool, self.v_pool, self.k_scale, self.v_scale,
+                meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+            )  # fmt: skip
         if self.rope_ops is not None:
             return self.rope_ops.rope_and_cache(
                 qkv, rope.positions, rope.cos_half, rope.sin_half, self.k_pool, self.v_pool, meta.slot_mapping,
@@ -77,7 +88,8 @@ class LlamaAttention(nn.Module):
         cos, sin = rope.cos_sin()
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v.view(tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v, self.k_scale, self.v_scale)
         return q
 
 
@@ -86,10 +98,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         p = f"model.layers.{index}"
         norm_ops = kernels.op("rms_norm")
-        self.input_layernorm = RMSNorm(w[f"{p}.input_layernorm.weight"], arch.rms_norm_eps, norm_ops)
+        self.input_layernorm = RMSNorm(w.pop(f"{p}.input_layernorm.weight"), arch.rms_norm_eps, norm_ops)
         self.self_attn = LlamaAttention(arch, w, f"{p}.self_attn", kernels)
-        self.post_attention_layernorm = RMSNorm(w[f"{p}.post_attention_layernorm.weight"], arch.rms_norm_eps, norm_ops)
-        self.mlp = SiluMLP(w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"], w[f"{p}.mlp.down_proj.weight"], kernels)
+        self.post_attention_layernorm = RMSNorm(w.pop(f"{p}.post_attention_layernorm.weight"), arch.rms_norm_eps, norm_ops)
+        self.mlp = SiluMLP(w.pop(f"{p}.mlp.gate_proj.weight"), w.pop(f"{p}.mlp.up_proj.weight"), w.pop(f"{p}.mlp.down_proj.weight"), kernels)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, meta: AttentionMetadata
@@ -109,13 +121,26 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.kernels = kernels
-        self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, weights, i, kernels) for i in range(arch.num_layers))
-        self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps, kernels.op("rms_norm"))
-        lm_head = weights["model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = Linear(lm_head, None, kernels, argmax=True)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens  # one tensor, two uses
+        # the layers take (pop) their weights from `weights` as they are built
+        embed = weights.pop("model.embed_tokens.weight")
+        self._dtype = torch.bfloat16 if isinstance(embed, QuantizedWeight) else embed.dtype
+        self.layers = nn.ModuleList()
+        for i in range(arch.num_layers):
+            self.layers.append(LlamaDecoderLayer(arch, weights, i, kernels))
+            if kernels.ops is not None:
+                # packed as each layer is built, so the float copies a packing replaces go layer
+                # by layer and the load's peak memory stays near the model's final footprint
+                for lin in self.layers[-1].modules():
+                    if isinstance(lin, Linear):
+                        lin.process_weights_after_loading()
+        self.norm = RMSNorm(weights.pop("model.norm.weight"), arch.rms_norm_eps, kernels.op("rms_norm"))
+        self.lm_head = Linear(embed if arch.tie_word_embeddings else weights.pop("lm_head.weight"), None, kernels, argmax=True)
+        # the embedding table is a Linear too, read row by row from whatever layout it is held
+        # in; tied, it is the LM head itself (one copy, in the head's layout)
+        self.embed_tokens = self.lm_head if arch.tie_word_embeddings else Linear(embed, None, kernels)
+        for lin in (self.lm_head, self.embed_tokens):
+            if kernels.ops is not None:
+                lin.process_weights_after_loading()
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
         self._decode_model = None  # ops.DecodeModel, built on the first fused step
@@ -123,7 +148,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        """The activations' dtype."""
+        return self._dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.embedding_rows(input_ids)
 
     def projections(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -134,27 +163,84 @@ class LlamaForCausalLM(nn.Module):
             lin.process_weights_after_loading()
         self._decode_model = None
         # the step reads every decoder projection through its method (the LM head is not part of it)
-        readable = all(lin.fused_projection() is not None for lin in self.projections() if lin is not self.lm_head)
+        readable = all(
+            lin.fused_projection() is not None for lin in self.projections() if lin not in (self.lm_head, self.embed_tokens)
+        )
         self._fused_rows = self.kernels.fused_decode_rows(readable)
 
-    def bind_kv_cache(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> None:
-        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
-            layer.self_attn.k_pool = k_pool
-            layer.self_attn.v_pool = v_pool
+    def bind_kv_cache(
+        self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+        k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Each layer's K/V pools; with int8 pools, their scale pools too."""
+        no_scales = [None] * len(self.layers)
+        for layer, k_pool, v_pool, k_scale, v_scale in zip(
+            self.layers, k_pools, v_pools, k_scales or no_scales, v_scales or no_scales
+        ):
+            attn = layer.self_attn
+            attn.k_pool, attn.v_pool, attn.k_scale, attn.v_scale = k_pool, v_pool, k_scale, v_scale
         self._decode_model = None
 
-    def describe_projections(self) -> str:
-        """How many projections each linear method serves, and how."""
-        counts: dict[str, int] = {}
+    def projection_kinds(self) -> dict[str, list[Linear]]:
+        """Every projection by kind (qkv, o, gate_up, down, lm_head)."""
+        kinds: dict[str, list[Linear]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
+        for layer in self.layers:
+            kinds["qkv"].append(layer.self_attn.qkv)
+            kinds["o"].append(layer.self_attn.o)
+            kinds["gate_up"].append(layer.mlp.gate_up)
+            kinds["down"].append(layer.mlp.down)
+        kinds["lm_head"] = [self.lm_head]
+        return kinds
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight as held (each packed copy once; a tied table once)."""
+        seen: dict[int, int] = {}
+        tensors = [p for p in self.parameters()] + [b for b in self.buffers() if b is not self.rotary.cos_half
+                                                    and b is not self.rotary.sin_half]
         for lin in self.projections():
-            key = lin.method.describe(lin)
-            counts[key] = counts.get(key, 0) + 1
-        return "projections:\n" + "\n".join(f"  {n} x {key}" for key, n in counts.items())
+            tensors += [t for t in (lin.kernel.weight, lin.kernel.gemv, lin.kernel.amx, lin.kernel.onednn)
+                        if t is not None] if lin.kernel is not None and hasattr(lin.kernel, "gemv") else []
+            if lin.qweight is not None:
+                tensors += [t for seg in lin.qweight.segments for t in (seg.codes, seg.scales, seg.mins) if t is not None]
+        for t in tensors:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of the weights a decode step reads in full: all but an untied embedding table
+        (one row of it is read). A quantized format counts its codes, scales and minima."""
+        untied = 0
+        if self.embed_tokens is not self.lm_head:
+            untied = self.weight_bytes() - self._weight_bytes_without(self.embed_tokens)
+        return self.weight_bytes() - untied
+
+    def _weight_bytes_without(self, skip: nn.Module) -> int:
+        saved, self.embed_tokens = self.embed_tokens, None
+        try:
+            return self.weight_bytes()
+        finally:
+            self.embed_tokens = saved
+
+    def describe_projections(self) -> str:
+        """Each projection kind's format, kernels and compute format, and the weights' bytes."""
+        lines = [f"weights: {self.weight_bytes() / 2**20:,.1f} MiB as held"]
+        for kind, lins in self.projection_kinds().items():
+            counts: dict[str, int] = {}
+            for lin in lins:
+                key = lin.method.describe(lin)
+                counts[key] = counts.get(key, 0) + 1
+            for key, n in counts.items():
+                lines.append(f"  {kind:<8} x{n:<3} {key}")
+        if self.embed_tokens is self.lm_head:
+            lines.append("  embedding      the LM head's table (tied), rows read from its layout")
+        else:
+            lines.append(f"  embedding      {self.embed_tokens.method.describe(self.embed_tokens)}")
+        return "\n".join(lines)
 
     # ---- the forward pass ------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.embed(input_ids)
         if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             return self.kernels.ops.decode_layers(
                 self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
@@ -198,10 +284,14 @@ class LlamaForCausalLM(nn.Module):
                 for layer in self.layers
             ]
             arch = self.arch
+            attns = [layer.self_attn for layer in self.layers]
+            int8 = attns[0].k_scale is not None
             self._decode_model = ops.DecodeModel(
                 layers=layers,
-                k_pools=[layer.self_attn.k_pool for layer in self.layers],
-                v_pools=[layer.self_attn.v_pool for layer in self.layers],
+                k_pools=[a.k_pool for a in attns],
+                v_pools=[a.v_pool for a in attns],
+                k_scales=[a.k_scale for a in attns] if int8 else [],  # empty: float pools
+                v_scales=[a.v_scale for a in attns] if int8 else [],
                 cos_half=self.rotary.cos_half, sin_half=self.rotary.sin_half,
                 num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
                 eps=arch.rms_norm_eps, scale=arch.head_dim**-0.5,

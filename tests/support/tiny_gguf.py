@@ -1,4 +1,5 @@
-"""Write a tiny HF checkpoint as a llama.cpp-style GGUF (F32), Q/K rows permuted as
+"""Write a tiny HF checkpoint as a llama.cpp-style GGUF (F32, or its projections and embedding
+in a quantized type gguf-py can quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), Q/K rows permuted as
 llama.cpp's converter does, with the tokenizer in GGUF metadata."""
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ _NAMES = {
 }
 
 
-def write_gguf(hf_dir: Path, out: Path, architecture: str = "llama") -> Path:
+def write_gguf(hf_dir: Path, out: Path, architecture: str = "llama", quant_type: str | None = None) -> Path:
     import gguf
+
+    def add(name: str, t: np.ndarray) -> None:
+        if quant_type and name.endswith(".weight") and t.ndim == 2 and "norm" not in name:
+            qtype = gguf.GGMLQuantizationType[quant_type]
+            w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(t))
 
     config = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
@@ -61,10 +69,10 @@ def write_gguf(hf_dir: Path, out: Path, architecture: str = "llama") -> Path:
     w.add_eos_token_id(config["eos_token_id"])
     w.add_chat_template((hf_dir / "chat_template.jinja").read_text())
 
-    w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("output_norm.weight", weights["model.norm.weight"])
     if "lm_head.weight" in weights and not config.get("tie_word_embeddings"):
-        w.add_tensor("output.weight", weights["lm_head.weight"])
+        add("output.weight", weights["lm_head.weight"])
     for i in range(config["num_hidden_layers"]):
         for hf_name, gguf_name in _NAMES.items():
             t = weights[f"model.layers.{i}.{hf_name}"]
@@ -72,7 +80,7 @@ def write_gguf(hf_dir: Path, out: Path, architecture: str = "llama") -> Path:
                 t = _llama_cpp_permute(t, n_heads)
             elif hf_name.startswith("self_attn.k_proj") and architecture == "llama":
                 t = _llama_cpp_permute(t, n_kv)
-            w.add_tensor(f"blk.{i}.{gguf_name}", np.ascontiguousarray(t))
+            add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

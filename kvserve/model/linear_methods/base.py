@@ -8,7 +8,9 @@ dtype, machine and flags that `KernelSupport` has already weighed. It then
 - `apply_silu_mul(layer, x)`: silu(gate)·up for a [gate; up] layer, where it has an epilogue;
 - `argmax(layer, x)`: each row's argmax of apply(layer, x) without writing it, or None;
 - `fused_projection(layer)`: what the fused decode step (kernels/fused_decode.cpp) reads for
-  this projection, or None if that step cannot run it.
+  this projection, or None if that step cannot run it;
+- `embedding_rows(layer, ids)`: rows of the weight, read from whichever layout is held (an
+  embedding table is a Linear too, tied or not, so it is held once).
 
 A new weight format is one new method beside this one plus its kernels; the model code
 never asks which format it runs.
@@ -49,6 +51,11 @@ class LinearMethod:
 
     def fused_projection(self, layer: "Linear"):
         return None
+
+    def embedding_rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight: the lookup of an embedding table held as this layer (a tied
+        LM head's table is held once, in its head's layout)."""
+        return F.embedding(ids, layer.weight)
 
     def describe(self, layer: "Linear") -> str:
         return self.name

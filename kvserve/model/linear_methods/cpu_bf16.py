@@ -11,11 +11,12 @@ can never choose differently. The layouts:
   more than it computes; for [gate; up] the tiles interleave gate and up 16-row blocks so the
   kernel applies silu(gate)·up as it writes (no [T, 2I] product written and read back; 30
   layers at 64 rows: 10.1-10.4 ms against 11.1-11.6);
-- oneDNN's blocked copy past that (prefill chunks; every row count above the GEMV's without
-  AMX): on SmolLM2's gate/up (3072 × 576) at 2048 rows, 30 layers took 82-88 ms packed
+- oneDNN's blocked copy past that on AMX machines (prefill chunks): on SmolLM2's gate/up (3072 × 576) at 2048 rows, 30 layers took 82-88 ms packed
   against 148-166 ms through F.linear, which re-packs per call.
-The row-major weight goes when no path reads it (CPUs without AMX, with oneDNN): two copies
-of the weights then, not three. `--no-prepack-weights` keeps only the row-major weight.
+Without AMX the VNNI-tile copy serves every row count (gemm_vnni: tiles of 8 rows of the
+GEMV's kernel, on a par with oneDNN on its own layout), so the weight is held once; oneDNN is
+kept only for projections off the tile grid. `--no-prepack-weights` keeps only the
+row-major weight.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class CpuBf16LinearMethod(LinearMethod):
             gemv_max_rows=plan.gemv_max_rows,
             amx_max_rows=plan.amx_max_rows,
             silu_interleaved=plan.silu_interleaved,
+            gemv_all_rows=plan.gemv_all_rows,
         )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +88,21 @@ class CpuBf16LinearMethod(LinearMethod):
     def fused_projection(self, layer):
         return layer.kernel
 
+    def embedding_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        if layer.weight is not None:
+            return super().embedding_rows(layer, ids)
+        # gathered from the VNNI tiles ([N/16, K/32, 16 pairs, 16 columns × 2]): no row-major copy kept for lookups
+        tiles = layer.kernel.gemv
+        g, kb = tiles.shape[:2]
+        rows = tiles.view(g, kb, 16, 16, 2)[ids // 16, :, :, ids % 16, :]
+        return rows.reshape(ids.shape[0], kb * 32)
+
     def describe(self, layer) -> str:
         p = self.plan
         parts = [f"GEMV 1-{p.gemv_max_rows} rows ({'VNNI tiles' if p.gemv_vnni else 'row-major'})"]
         if p.amx_max_rows:
             parts.append(f"AMX {p.gemv_max_rows + 1}-{p.amx_max_rows}" + (" with silu·up" if p.silu_interleaved else ""))
-        parts.append("oneDNN packed beyond" if p.onednn else "F.linear beyond")
+        parts.append("VNNI tiles beyond (one copy)" if p.gemv_all_rows else "oneDNN packed beyond" if p.onednn else "F.linear beyond")
         if not p.keep_row_major:
             parts.append("no row-major copy")
         return f"{self.name}: " + ", ".join(parts)

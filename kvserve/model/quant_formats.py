@@ -1,0 +1,256 @@
+"""Block-quantized weights in the layout kvserve's quant_linear kernel reads (kernels/quant_linear.cpp).
+
+Every format is w = d·c + m per block of 32 inputs of one output column, c an unsigned
+code of 4 or 8 bits, d (and m, where stored) fp16:
+
+| kind     | codes | m                | from                                                    |
+| -------- | ----- | ---------------- | ------------------------------------------------------- |
+| q8       | 8-bit | −128·d (implied) | GGUF Q8_0 (exact); Q6_K (requantized); int8 of floats    |
+| q4       | 4-bit | −8·d (implied)   | GGUF Q4_0 (exact)                                       |
+| q4_min   | 4-bit | stored           | GGUF Q4_1 (exact); Q4_K (codes exact, d·sc and dmin·m   |
+|          |       |                  | rounded to fp16); int4 of floats                        |
+| q8_min   | 8-bit | stored           | GGUF Q5_0, Q5_1 (exact); Q5_K (as Q4_K)                 |
+
+`--quantization int8` quantizes float weights with one scale per output channel (symmetric,
+scales [groups, 1, 16]); `int4` with a scale and a minimum per block of 32.
+
+Packing: per group of 16 output columns and block of 32 inputs, 8-bit codes as 8 vectors
+of [16 columns][4 inputs]; 4-bit codes as 4 such vectors, input k in the low nibble and
+k + 16 in the high one (GGUF's own Q4_0 order within a block). `dequantize` is the
+plain-torch reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+BLOCK = 32
+GROUP = 16  # output columns per packed group
+
+KINDS = {"q8": (8, False, 128), "q4": (4, False, 8), "q4_min": (4, True, 0), "q8_min": (8, True, 0)}
+# the C++ format constants (kernels.h kQuant*)
+KIND_CODES = {"q8": 0, "q4": 1, "q4_min": 2, "q8_min": 3}
+
+
+@dataclasses.dataclass
+class QuantSegment:
+    """`rows` output columns of one kind, packed for the kernel."""
+
+    kind: str
+    rows: int
+    cols: int
+    codes: torch.Tensor  # uint8 [rows/16, cols/32, 512 or 256]
+    scales: torch.Tensor  # fp16 [rows/16, cols/32 or 1, 16]
+    mins: torch.Tensor | None  # fp16 [rows/16, cols/32, 16] where the kind stores m
+    source: str  # what it came from, for the start-up report
+
+    @property
+    def bits(self) -> int:
+        return KINDS[self.kind][0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    """An [out, in] weight as one or more segments stacked by rows (a fused QKV may mix kinds)."""
+
+    segments: list[QuantSegment]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(s.rows for s in self.segments), self.segments[0].cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def describe(self) -> str:
+        sources = []
+        for s in self.segments:
+            if s.source not in sources:
+                sources.append(s.source)
+        return " + ".join(sources)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([dequantize_segment(s) for s in self.segments], dim=0).to(dtype)
+
+    @staticmethod
+    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Rows of several weights stacked (QKV, gate/up): their segments listed in order, not
+        copied. quant_linear runs every segment of a projection in one call, so a merged copy
+        would buy nothing and cost a transient copy of each layer while the model is built."""
+        return QuantizedWeight([s for p in parts for s in p.segments])
+
+
+def packable(rows: int, cols: int) -> bool:
+    return rows % GROUP == 0 and cols % BLOCK == 0 and rows > 0
+
+
+# ---- packing ------------------------------------------------------------------------------
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] uint8 (values < 2**bits) → the kernel's [N/16, K/32, bytes] layout."""
+    n, k = codes.shape
+    kb = k // BLOCK
+    if bits == 8:
+        return codes.view(n // GROUP, GROUP, kb, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // GROUP, kb, 512).contiguous()
+    blocks = codes.view(n, kb, 2, 16)
+    return _pack_nibbles(blocks[:, :, 0] | (blocks[:, :, 1] << 4))
+
+
+def _pack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """qs [N, K/32, 16] bytes, input k in the low nibble of byte k and k+16 in its high one."""
+    n, kb, _ = qs.shape
+    return qs.view(n // GROUP, GROUP, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // GROUP, kb, 256).contiguous()
+
+
+def _pack_scales(d: torch.Tensor) -> torch.Tensor:
+    """[N, blocks] → fp16 [N/16, blocks, 16]."""
+    n, b = d.shape
+    return d.to(torch.float16).view(n // GROUP, GROUP, b).permute(0, 2, 1).contiguous()
+
+
+def pack(kind: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, source: str) -> QuantizedWeight:
+    """A QuantizedWeight from unpacked codes [N, K], scales [N, K/32] (or [N, 1]) and minima."""
+    bits, has_min, _ = KINDS[kind]
+    n, k = codes.shape
+    seg = QuantSegment(
+        kind, n, k, _pack_codes(codes.to(torch.uint8), bits), _pack_scales(d),
+        _pack_scales(m) if has_min else None, source,
+    )  # fmt: skip
+    return QuantizedWeight([seg])
+
+
+def dequantize_segment(seg: QuantSegment) -> torch.Tensor:
+    """The reference: the segment's weights as fp32 [rows, cols], d·c + m exactly as the kernel's
+    embedding lookup (and gguf's dequantize) computes them."""
+    bits, has_min, offset = KINDS[seg.kind]
+    g, kb, _ = seg.codes.shape
+    if bits == 8:
+        codes = seg.codes.view(g, kb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(g * GROUP, kb, BLOCK)
+    else:
+        packed = seg.codes.view(g, kb, 4, GROUP, 4)
+        both = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [g, kb, 2, 4, 16, 4]
+        codes = both.permute(0, 4, 1, 2, 3, 5).reshape(g * GROUP, kb, BLOCK)
+    d = seg.scales.float().permute(0, 2, 1).reshape(g * GROUP, -1, 1)
+    m = seg.mins.float().permute(0, 2, 1).reshape(g * GROUP, kb, 1) if has_min else -float(offset) * d
+    return (d * codes.float() + m).reshape(g * GROUP, kb * BLOCK)
+
+
+# ---- from float weights (--quantization int8 | int4) --------------------------------------
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8, one fp16 scale per output channel (row)."""
+    w = w.float()
+    d = (w.abs().amax(dim=1, keepdim=True) / 127).to(torch.float16).float()
+    q = torch.where(d > 0, torch.round(w / torch.where(d > 0, d, 1)), 0).clamp(-127, 127)
+    return pack("q8", (q + 128).to(torch.uint8), d, None, "int8 per output channel")
+
+
+def quantize_q8_blocks(w: torch.Tensor, source: str) -> QuantizedWeight:
+    """Symmetric int8 per block of 32 (Q8_0's rule): a requantization target for formats
+    without a kernel of their own."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // BLOCK, BLOCK)
+    d = (blocks.abs().amax(dim=2, keepdim=True) / 127).to(torch.float16).float()
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0).clamp(-127, 127)
+    return pack("q8", (q + 128).to(torch.uint8).view(n, k), d.view(n, -1), None, source)
+
+
+def quantize_int4_blocks(w: torch.Tensor) -> QuantizedWeight:
+    """Asymmetric int4 per block of 32: d = (max − min) / 15, m = min (Q4_1's rule)."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // BLOCK, BLOCK)
+    lo, hi = blocks.amin(dim=2, keepdim=True), blocks.amax(dim=2, keepdim=True)
+    d = ((hi - lo) / 15).to(torch.float16).float()
+    m = lo.to(torch.float16).float()
+    q = torch.where(d > 0, torch.round((blocks - m) / torch.where(d > 0, d, 1)), 0).clamp(0, 15)
+    return pack("q4_min", q.to(torch.uint8).view(n, k), d.view(n, -1), m.view(n, -1), "int4 per block of 32 (scale and minimum)")
+
+
+# ---- from GGUF blocks ---------------------------------------------------------------------
+
+# GGUF types run natively or repacked; the rest are dequantized at load (with a note)
+GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_REPACKED = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+def _f16(raw: np.ndarray, start: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
+    """One GGUF tensor's blocks (uint8 [rows, bytes per row], rows already in HF order) packed.
+    `type_name` one of GGUF_NATIVE + GGUF_REPACKED."""
+    kb = cols // BLOCK
+    if type_name == "Q8_0":
+        blocks = raw.reshape(rows, kb, 34)
+        q = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8)).to(torch.int16)
+        return pack("q8", (q + 128).to(torch.uint8).view(rows, cols), _f16(blocks, 0), None, "Q8_0 (native)")
+    if type_name in ("Q4_0", "Q4_1"):
+        header = 2 if type_name == "Q4_0" else 4
+        blocks = raw.reshape(rows, kb, header + 16)
+        kind = "q4" if type_name == "Q4_0" else "q4_min"
+        seg = QuantSegment(
+            kind, rows, cols, _pack_nibbles(torch.from_numpy(np.ascontiguousarray(blocks[:, :, header:]))),
+            _pack_scales(_f16(blocks, 0)), _pack_scales(_f16(blocks, 2)) if header == 4 else None, f"{type_name} (native)",
+        )  # fmt: skip
+        return QuantizedWeight([seg])
+    if type_name == "Q4_K":
+        return _from_q4_k(raw, rows, cols)
+    return _requantized(type_name, raw, rows, cols)
+
+
+def _k_scales(raw: np.ndarray, rows: int, cols: int, header_end: int):
+    """(d·sc, dmin·m) per sub-block of 32 for Q4_K / Q5_K super-blocks, fp32 [rows, cols/32]."""
+    import gguf.quants as gq
+
+    supers = raw.reshape(-1, raw.shape[-1] // (cols // 256))
+    d = _f16(supers, 0)
+    dmin = _f16(supers, 2)
+    sc, mn = gq.Q4_K.get_scale_min(np.ascontiguousarray(supers[:, 4:16]))
+    scale = d[:, None] * torch.from_numpy(sc.astype(np.float32))
+    minimum = dmin[:, None] * torch.from_numpy(mn.astype(np.float32))
+    return scale.reshape(rows, cols // BLOCK), minimum.reshape(rows, cols // BLOCK)
+
+
+def _from_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
+    # super-block of 256: d, dmin (fp16), 12 bytes of 6-bit scales and minima, 128 bytes of
+    # nibbles: per 64 inputs, 32 bytes whose low nibbles are inputs 0-31, high ones 32-63
+    scale, minimum = _k_scales(raw, rows, cols, 16)
+    qs = torch.from_numpy(np.ascontiguousarray(raw.reshape(-1, 144)[:, 16:])).view(-1, 4, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, cols)
+    return pack("q4_min", codes, scale, -minimum, "Q4_K (repacked: codes exact, scales and minima rounded to fp16)")
+
+
+def _requantized(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
+    """Formats whose bit layout we do not unpack ourselves: gguf's own dequantization gives
+    the values, from which the codes are recovered exactly under the block's (d, m)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).view(rows, cols)
+    if type_name == "Q6_K":  # per-16 scales: no exact per-32 form; int8 per 32 loses < 1/8 of a Q6_K step
+        return quantize_q8_blocks(values, "Q6_K (requantized to int8 per 32: within 1/8 of its step)")
+    if type_name in ("Q5_0", "Q5_1"):
+        blocks = raw.reshape(rows, cols // BLOCK, -1)
+        d = _f16(blocks, 0)
+        m = _f16(blocks, 2) if type_name == "Q5_1" else -16 * d
+        source = f"{type_name} (repacked to 8-bit codes, exact)"
+    else:  # Q5_K
+        d, minimum = _k_scales(raw, rows, cols, 16)
+        m = -minimum
+        source = "Q5_K (repacked to 8-bit codes: codes exact, scales and minima rounded to fp16)"
+    blocks = values.view(rows, cols // BLOCK, BLOCK)
+    # Q5_0's d is negative where the block's largest magnitude is (ggml's rule)
+    safe = torch.where(d != 0, d, 1)[..., None]
+    codes = torch.where(d[..., None] != 0, torch.round((blocks - m[..., None]) / safe), 0).clamp(0, 255)
+    return pack("q8_min", codes.to(torch.uint8).view(rows, cols), d, m, source)

@@ -1,0 +1,114 @@
+"""quant_linear (kernels/quant_linear.cpp) against the plain-torch reference: dequantize, then matmul.
+
+Two references: the exact one emulates the kernel's int8 compute format (x quantized per
+row and block of 32, the same rule) in float64, so only rounding order separates the two;
+the float one is x·Wᵀ with W dequantized, which the int8 activations approximate. And the
+batch-invariance rule: a row's bits never depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kernels import cpu_has, cpu_ops, unavailable_reason
+from kvserve.model import quant_formats as qf
+from kvserve.model.linear_methods.cpu_quant import kernel_segments
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(
+    ops is None or not cpu_has("avx512_vnni"),
+    reason=f"quant_linear needs the CPU kernels and AVX512-VNNI ({unavailable_reason() or 'no avx512_vnni'})",
+)
+
+
+def _weights(kind: str, n: int, k: int, seed: int = 0) -> qf.QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if kind == "int8-channel":
+        return qf.quantize_int8_per_channel(w)
+    if kind == "q8":
+        return qf.quantize_q8_blocks(w, "test")
+    if kind == "q4_min":
+        return qf.quantize_int4_blocks(w)
+    import gguf
+
+    qtype = {"q4": "Q4_0", "q8_min": "Q5_1"}[kind]
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
+    return qf.from_gguf(qtype, raw, n, k)
+
+
+KINDS = ["q8", "int8-channel", "q4", "q4_min", "q8_min"]
+
+
+def _int8_reference(x: torch.Tensor, w: qf.QuantizedWeight) -> torch.Tensor:
+    """The kernel's compute format in float64: x quantized per block of 32 as quant_linear does."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # round half to even, as the kernel's conversion
+    xq = (q * (amax / 127)).view(m, k).double()
+    return xq @ w.dequantize(torch.float64).T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
+def test_matches_reference(kind, rows):
+    w = _weights(kind, 96, 576)
+    x = (torch.randn(rows, 576, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
+    y = ops.quant_linear(x, kernel_segments(ops, w)).double()
+    exact = _int8_reference(x, w)
+    # the kernel's only differences from `exact`: fp32 sums and the bf16 result's rounding
+    torch.testing.assert_close(y, exact, rtol=2 ** -7, atol=1e-3 * exact.abs().max().item())
+    float_ref = x.double() @ w.dequantize(torch.float64).T
+    rel = (y - float_ref).norm() / float_ref.norm()
+    assert rel < 0.02, f"int8 activations cost {rel:.4f} relative error"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+    w = _weights(kind, 64, 320)
+    segs = kernel_segments(ops, w)
+    x = torch.randn(130, 320, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone = torch.cat([ops.quant_linear(x[i : i + 1], segs) for i in range(x.shape[0])])
+    for rows in (2, 7, 8, 9, 17, 64, 65, 130):
+        together = torch.cat([ops.quant_linear(x[i : i + rows], segs) for i in range(0, x.shape[0], rows)])
+        assert torch.equal(together, alone), f"{rows} rows per call changed some row's bits"
+
+
+def test_mixed_segments_bias_and_fp32_input():
+    a, b = _weights("q4", 32, 256, seed=3), _weights("q8", 48, 256, seed=4)
+    both = qf.QuantizedWeight.cat([a, b])
+    assert [s.kind for s in both.segments] == ["q4", "q8"]
+    bias = torch.randn(80).to(torch.bfloat16)
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    y = ops.quant_linear(x, kernel_segments(ops, both), bias)
+    parts = torch.cat([ops.quant_linear(x, kernel_segments(ops, a)), ops.quant_linear(x, kernel_segments(ops, b))], dim=1)
+    torch.testing.assert_close(y.float(), parts.float() + bias.float(), rtol=2 ** -7, atol=2e-2)
+    y32 = ops.quant_linear(x.float(), kernel_segments(ops, both))
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, _int8_reference(x, both).float(), rtol=1e-4, atol=1e-4)
+
+
+def test_stacked_weights_keep_their_segments_without_copying():
+    a, b = _weights("q4_min", 32, 64, seed=5), _weights("q4_min", 16, 64, seed=6)
+    both = qf.QuantizedWeight.cat([a, b])
+    assert both.shape == (48, 64) and both.segments[0].codes is a.segments[0].codes
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_embedding_rows_are_the_dequantized_rows(kind):
+    w = _weights(kind, 64, 96)
+    ids = torch.tensor([0, 17, 63, 17])
+    rows = ops.quant_embedding(ids, kernel_segments(ops, w), 96, torch.float32)
+    assert torch.equal(rows, w.dequantize()[ids])
+
+
+def test_shapes_off_the_grid_are_refused():
+    w = _weights("q8", 32, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.quant_linear(torch.zeros(1, 48, dtype=torch.bfloat16), kernel_segments(ops, w))
+    with pytest.raises(RuntimeError, match="codes must be"):
+        ops.quant_linear(torch.zeros(1, 96, dtype=torch.bfloat16), kernel_segments(ops, w))
