@@ -1,4 +1,4 @@
-"""`kvserve bench latency | throughput | serve`: the flags.
+"""`kvserve bench latency | throughput | serve | quality | make-model`: the flags.
 
 Each command prints a table, and writes its figures with the machine they ran on to
 `--json FILE`, and where a picture helps, a PNG to `--plot FILE`. The commands
@@ -23,7 +23,7 @@ def _command(name: str):
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="measure the engine: latency, throughput, serving load",
+    bench = subparsers.add_parser("bench", help="measure the engine: latency, throughput, serving load, output quality",
                                   description="Benchmarks that print their figures (and write them as JSON).")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
@@ -39,6 +39,7 @@ def register(subparsers) -> None:
     lat.add_argument("--gemm-size", type=int, default=2048, help="n of the n×n bf16 matmul measuring FLOP/s (default 2048)")
     lat.add_argument("--calibration-seconds", type=float, default=1.0, help="time per machine measurement (default 1)")
     lat.add_argument("--seed", type=int, default=0)
+    _add_llama_cpp(lat, rounds=True)
     _add_outputs(lat, plot=True)
     add_engine_args(lat)
     lat.set_defaults(func=_command("latency"))
@@ -54,9 +55,12 @@ def register(subparsers) -> None:
     thr.add_argument("--shared-prefix-len", type=int, default=0,
                      help="tokens of a common prefix (e.g. a system prompt) before each prompt (default 0: none)")
     thr.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, given out round robin (default 1)")
+    _add_llama_cpp(thr)
     _add_outputs(thr, plot=True)
     add_engine_args(thr)
     thr.set_defaults(func=_command("throughput"))
+
+    _register_quality(sub)
 
     srv = sub.add_parser("serve", help="load an OpenAI-compatible server at a sweep of request rates")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
@@ -78,6 +82,31 @@ def register(subparsers) -> None:
     _add_outputs(srv, plot=True)
     srv.set_defaults(func=_command("serve"))
 
+    _register_make_model(sub)
+
+
+def _register_make_model(sub) -> None:
+    from kvserve.bench.random_model import FORMATS, SHAPES
+
+    mk = sub.add_parser("make-model", help="write a random-weight model of a real shape (GGUF or HF) for benchmarks",
+                        description="Random weights (std 0.02), real shapes, the default model's tokenizer; "
+                        "quantized formats are written as random blocks. See kvserve/bench/random_model.py.")
+    mk.add_argument("--shape", choices=list(SHAPES), required=True, help="model shape")
+    mk.add_argument("--format", choices=list(FORMATS), required=True,
+                    help="hf-bf16: an HF directory; the rest a GGUF (q4_k_m: llama.cpp's mix of Q4_K and Q6_K)")
+    mk.add_argument("--out", required=True, help="the .gguf file, or the directory for hf-bf16")
+    mk.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
+    mk.add_argument("--no-verify", action="store_true", help="skip reading the GGUF back and checking sampled tensors")
+    mk.add_argument("--forward-check", action="store_true",
+                    help="also run one token through every layer in numpy and check it stays finite")
+
+    def run(args: argparse.Namespace) -> int:
+        from kvserve.bench import random_model
+
+        return random_model.run(args)
+
+    mk.set_defaults(func=run)
+
 
 def _add_workload(p: argparse.ArgumentParser, num_prompts: int) -> None:
     g = p.add_argument_group("workload")
@@ -93,3 +122,58 @@ def _add_outputs(p: argparse.ArgumentParser, plot: bool) -> None:
     p.add_argument("--json", metavar="FILE", default=None, help="write the figures, machine and command as JSON")
     if plot:
         p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot")
+
+
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: a bad value is a usage error (exit status 2) naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}" if high is not None
+                                             else f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_in(1)
+
+
+def _register_quality(sub) -> None:
+    q = sub.add_parser("quality", help="perplexity, KL divergence and greedy agreement of a format against a reference",
+                       description="Measure a weight / KV-cache format (the engine flags: --quantization, --kv-cache-dtype, "
+                                   "--dtype) against a reference configuration of the same model file: perplexity on a "
+                                   "shipped text, mean KL(ref || cand) of the next-token distribution, greedy agreement "
+                                   "on 20 fixed prompts.")
+    q.add_argument("--ppl-window", type=_positive_int, default=512,
+                   help="positions per perplexity window; stride = window, context reset at each (default 512)")
+    q.add_argument("--ppl-tokens", type=_positive_int, default=2048, help="predicted positions in all (default 2048)")
+    q.add_argument("--greedy-tokens", type=_positive_int, default=64, help="greedy tokens per prompt (default 64)")
+    q.add_argument("--greedy-prompts", type=_int_in(1, 20), default=20, metavar="N",
+                   help="how many of the 20 shipped prompts, 1 to 20 (default 20)")
+    q.add_argument("--text", metavar="FILE", default=None,
+                   help="the perplexity text (default: the one shipped, kvserve/bench/data/quality.txt)")
+    q.add_argument("--ref-dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="the reference's --dtype (default float32)")
+    q.add_argument("--ref-quantization", default="none", choices=["auto", "none", "int8", "int4"],
+                   help="the reference's --quantization (default none: the file's weights dequantized)")
+    q.add_argument("--ref-kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="the reference's --kv-cache-dtype (default auto: the reference's dtype)")
+    _add_outputs(q, plot=False)
+    add_engine_args(q)
+    q.set_defaults(func=_command("quality"))
+
+
+def _add_llama_cpp(p: argparse.ArgumentParser, rounds: bool = False) -> None:
+    tool = "llama-bench" if rounds else "llama-batched-bench"
+    p.add_argument("--compare-llama-cpp", metavar="DIR", default=None,
+                   help=f"also run llama.cpp's {tool} from DIR (with LD_LIBRARY_PATH=DIR) on the same .gguf, in turn with "
+                        "kvserve, same thread count; skipped, with the reason, when DIR lacks it or the model is not a GGUF"
+                        + ("" if rounds else " (one llama.cpp run per --rounds round)"))
+    if rounds:
+        p.add_argument("--llama-cpp-rounds", type=_positive_int, default=2,
+                       help="with --compare-llama-cpp: rounds of (kvserve, llama.cpp) in turn; each engine's best round "
+                            "is compared (default 2)")

@@ -136,6 +136,7 @@ def latency(args: argparse.Namespace) -> int:
     llm = _engine(args)
     check_fits(llm.engine, settings)
     device = str(llm.engine.config.torch_device)
+    peer = _llama_cpp_peer(args, "llama-bench")
 
     def measure_limits(decode_bytes_per_step: int):
         read_bytes = int(args.read_mib * MIB) if args.read_mib else decode_bytes_per_step
@@ -143,9 +144,29 @@ def latency(args: argparse.Namespace) -> int:
         return measure_machine(device, read_bytes, args.gemm_size, args.calibration_seconds)
 
     results = run_latency(llm.engine, settings, measure_limits)
+    if peer is not None:
+        from kvserve.bench import llama_cpp
+
+        results["llama_cpp"] = (llama_cpp.compare_latency(llm.engine, settings, results, peer[0], args.llama_cpp_rounds)
+                                if peer[0] else peer[1])
     report.print_latency(results)
+    if peer is not None:
+        llama_cpp.print_latency_comparison(results["llama_cpp"])
     _write_outputs(args, "latency", results, plot.plot_latency, contention)
     return 0
+
+
+def _llama_cpp_peer(args: argparse.Namespace, binary: str):
+    """None without --compare-llama-cpp; else (the peer, None) or (None, {"skipped": why}),
+    the skip said at once on stderr. Threads: the engine's (set by --threads, else torch's)."""
+    if not args.compare_llama_cpp:
+        return None
+    import torch
+
+    from kvserve.bench import llama_cpp
+
+    lc, why = llama_cpp.find(args.compare_llama_cpp, args.model, binary, torch.get_num_threads())
+    return (lc, None) if lc else (None, llama_cpp.skipped(why))
 
 
 def throughput(args: argparse.Namespace) -> int:
@@ -186,6 +207,11 @@ def throughput(args: argparse.Namespace) -> int:
         "workload": workload.to_dict(),
         "warmup": warmup.to_dict(),
     }
+    peer = _llama_cpp_peer(args, "llama-batched-bench")
+    if peer is not None and peer[0]:
+        from kvserve.bench.llama_cpp import run_batched_bench, throughput_notes
+
+        llama_notes = throughput_notes(args.range_ratio, args.shared_prefix_len)
     rounds, round_read_gb_s = [], []
     for i in range(args.rounds):
         label = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
@@ -196,6 +222,10 @@ def throughput(args: argparse.Namespace) -> int:
         for mode in modes if args.compare == "hf" else []:
             print(f"transformers {mode}: {workload.num_requests} requests (own process){label} …", file=sys.stderr)
             runs.append(run_hf_peer(mode, spec, workload))
+        if peer is not None and peer[0]:
+            print(f"llama.cpp: llama-batched-bench, {args.num_prompts} x ({args.input_len} + {args.output_len}) tokens{label} …",
+                  file=sys.stderr)
+            runs.append(run_batched_bench(peer[0], args.num_prompts, args.input_len, args.output_len, llama_notes))
         rounds.append(runs)
     engines = best_of_rounds(rounds)
 
@@ -204,7 +234,12 @@ def throughput(args: argparse.Namespace) -> int:
     if args.rounds > 1:
         results["round_ratios"] = [ratios(runs) for runs in rounds]
         results["round_read_gb_s"] = round_read_gb_s
+    if peer is not None:
+        results["llama_cpp"] = peer[1] or {"bin_dir": str(peer[0].bin_dir), "model": str(peer[0].model),
+                                           "threads": peer[0].threads}
     report.print_throughput(results)
+    if peer is not None and peer[1]:
+        print(f"llama.cpp comparison skipped: {peer[1]['skipped']}")
     _write_outputs(args, "throughput", results, plot.plot_throughput, contention)
     return 0
 
@@ -241,4 +276,32 @@ def serve(args: argparse.Namespace) -> int:
     results = run_serve(settings)
     report.print_serve(results)
     _write_outputs(args, "serve", results, plot.plot_serve, contention)
+    return 0
+
+
+def quality(args: argparse.Namespace) -> int:
+    from kvserve.bench.quality import QualitySettings, print_quality, run_quality
+    from kvserve.engine.engine import LLMEngine
+
+    # both configurations are checked before anything loads: a bad combination of flags is a
+    # usage error (exit status 2), as argparse's own are
+    try:
+        cand_config = engine_config_from_args(args)
+        ref_config = engine_config_from_args(args, dtype=args.ref_dtype, quantization=args.ref_quantization,
+                                             kv_cache_dtype=args.ref_kv_cache_dtype)
+    except ConfigError as exc:
+        print(f"kvserve bench quality: error: {exc}", file=sys.stderr)
+        return 2
+    settings = QualitySettings(ppl_window=args.ppl_window, ppl_tokens=args.ppl_tokens, greedy_tokens=args.greedy_tokens,
+                               num_greedy_prompts=args.greedy_prompts, text_path=args.text)
+
+    def build(config, role: str) -> LLMEngine:
+        engine = LLMEngine(config)
+        print(f"{role}: {engine.describe()}", file=sys.stderr)
+        return engine
+
+    contention = _before_run(args)
+    results = run_quality(ref_config, cand_config, settings, build)
+    print_quality(results)
+    _write_outputs(args, "quality", results, None, contention)
     return 0

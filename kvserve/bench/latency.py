@@ -23,6 +23,7 @@ from kvserve.bench.stats import summarize
 from kvserve.bench.workload import random_token_ids
 from kvserve.engine.engine import LLMEngine
 from kvserve.errors import ConfigError
+from kvserve.model.arch import KV_INT8_SCALE_BYTES
 from kvserve.sampling_params import SamplingParams
 
 
@@ -125,9 +126,14 @@ def run_latency(
     rng = np.random.default_rng(settings.seed)
     arch = engine.arch
     element_bytes = torch.empty((), dtype=engine.config.torch_dtype).element_size()
+    # the KV pool's own elements (an int8 cache: 1 byte and an fp32 scale per position and KV head)
+    layout = engine.layout
+    kv_bytes, kv_scale_bytes = (1, KV_INT8_SCALE_BYTES) if layout.quantized else (element_bytes, 0)
 
     mean_context = decode_context_start(settings) + (settings.decode_steps - 1) / 2
-    bytes_per_step = roofline.decode_bytes_per_step(arch, element_bytes, element_bytes, mean_context)
+    bytes_per_step = roofline.decode_bytes_per_step(
+        arch, element_bytes, kv_bytes, mean_context, kv_scale_bytes, weights_read=engine.model.decode_weight_bytes()
+    )
 
     limits_before = measure_limits(int(bytes_per_step))
     decode = measure_decode(engine, settings, rng)
@@ -154,7 +160,7 @@ def run_latency(
             "layer_params": roofline.layer_params(arch),
             "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
             "device": str(engine.config.torch_device),
-            "kv_bytes_per_position": arch.kv_bytes_per_position(element_bytes),
+            "kv_bytes_per_position": layout.kv_bytes_per_position,
         },
         "machine": {**limits.to_dict(), "before": limits_before.to_dict(), "after": limits_after.to_dict()},
         "decode": decode,

@@ -56,12 +56,18 @@ def total_params(arch: ModelArchitecture) -> int:
     return arch.num_params
 
 
-def decode_bytes_per_step(arch: ModelArchitecture, weight_bytes: int, kv_bytes: int, context_len: float) -> float:
+def decode_bytes_per_step(
+    arch: ModelArchitecture, weight_bytes: int, kv_bytes: int, context_len: float, kv_scale_bytes: float = 0,
+    weights_read: int | None = None,
+) -> float:
     """Bytes one batch-1 decode step must read: the layers, the final norm, the LM head
     (V·d, the embedding table itself when tied; the input embedding is one row), and the
-    K/V of `context_len` positions."""
-    weights = layer_params(arch) + arch.hidden_size + arch.vocab_size * arch.hidden_size
-    return weights * weight_bytes + arch.kv_bytes_per_position(kv_bytes) * context_len
+    K/V of `context_len` positions (with an int8 cache's scales, `kv_scale_bytes` per KV head).
+    `weights_read`: those weights' bytes as the engine holds them (quantized formats, scales
+    included), instead of the parameter count times `weight_bytes`."""
+    if weights_read is None:
+        weights_read = (layer_params(arch) + arch.hidden_size + arch.vocab_size * arch.hidden_size) * weight_bytes
+    return weights_read + arch.kv_bytes_per_position(kv_bytes, kv_scale_bytes) * context_len
 
 
 def prefill_flops(arch: ModelArchitecture, num_tokens: int) -> dict[str, float]:

@@ -1,0 +1,748 @@
+"""`kvserve bench make-model`: random-weight models of real shapes, for benchmarks.
+
+A benchmark of a 1B or 8B model needs its shapes and its bytes, not its training. This
+writes a model of a named shape with random weights and the SmolLM2 vocabulary (the
+tokenizer metadata of the default model's GGUF, copied field by field, so the engine's
+tokenizer, chat template and stop tokens work), as
+
+- a GGUF (`gguf.GGUFWriter`, arch `llama`) in a float type (`f16`, `bf16`) or a block
+  quantization (`q8_0`, `q4_0`, `q4_1`, `q4_k`, `q5_k`, `q6_k`, `q4_k_m`), or
+- a Hugging Face directory (`hf-bf16`): config.json, generation_config.json, the
+  tokenizer files, and bf16 safetensors in shards of at most 2 GB.
+
+Nothing holds the whole model: tensor infos are written first, then each tensor's data
+as it is made (the 8B shape is 16 GB in bf16); a tensor is built in row chunks.
+
+Float weights are normal with std 0.02 (norm weights 1.0). Quantized tensors are written
+as random *blocks* in the GGUF layout, never through a float copy: codes uniform over
+each format's range (made symmetric about zero where the format has no min, so no
+weight matrix has a mean that the residual stream would amplify), per-block scales
+jittered ±25 % around the value that gives each weight std 0.02, every fp16 scale finite,
+positive and a normal number. See `_BLOCK_MAKERS` for each layout.
+
+`q8_0`, `q4_0`, `q4_1`, `q4_k`, `q5_k`, `q6_k` are *pure*: every 2-D weight in that type
+(as `llama-quantize --pure`; llama.cpp's non-pure ftypes would put the LM head in Q6_K).
+`q4_k_m` follows llama.cpp's Q4_K_M recipe (`llama_tensor_get_type`):
+
+- `output.weight`, or `token_embd.weight` when the embeddings are tied: Q6_K;
+- `attn_v.weight` and `ffn_down.weight`: Q6_K in the layers `use_more_bits` picks (the
+  first and last eighth, and every third layer between), Q4_K elsewhere;
+- every other 2-D weight (untied `token_embd` included): Q4_K; norms F32.
+
+A row length that is not a multiple of 256 cannot hold K-quant super-blocks; such a
+tensor falls back as llama.cpp's does (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0). Only the
+smollm2-135m shape (hidden 576) meets this.
+
+torch-free except `hf-bf16`'s tokenizer files (transformers builds them from the GGUF).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+WEIGHT_STD = 0.02
+MAX_SHARD_BYTES = 2 * 10**9  # hf-bf16 safetensors shards
+_CHUNK_ELEMENTS = 1 << 24  # a tensor is made this many weights at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    context_length: int
+    rms_norm_eps: float = 1e-5
+    # llama3 RoPE scaling (factor, low_freq_factor, high_freq_factor, original context); None: plain RoPE
+    llama3_rope: tuple[float, float, float, int] | None = None
+    vocab_size: int = 49152  # the default model's; checked against its GGUF
+
+
+SHAPES: dict[str, Shape] = {
+    # a test shape: every tensor kind (untied LM head too), every row a multiple of 256
+    "tiny": Shape(2, 256, 512, 4, 2, 64, tie_word_embeddings=False, rope_theta=10000.0, context_length=8192),
+    "smollm2-135m": Shape(30, 576, 1536, 9, 3, 64, tie_word_embeddings=True, rope_theta=100000.0,
+                          context_length=8192),
+    "llama-3.2-1b": Shape(16, 2048, 8192, 32, 8, 64, tie_word_embeddings=True, rope_theta=500000.0,
+                          context_length=131072, llama3_rope=(32.0, 1.0, 4.0, 8192)),
+    "llama-3.1-8b": Shape(32, 4096, 14336, 32, 8, 128, tie_word_embeddings=False, rope_theta=500000.0,
+                          context_length=131072, llama3_rope=(8.0, 1.0, 4.0, 8192)),
+}
+
+GGUF_FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k_m", "q4_k", "q5_k", "q6_k")
+FORMATS = ("hf-bf16", *GGUF_FORMATS)
+
+# ---- which type each tensor gets -----------------------------------------------------------
+
+
+def _qt():
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of layers that get more bits in the *_M recipes."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def _fallback(qtype, row_length: int):
+    """llama.cpp's replacement for a K-quant whose rows are not whole super-blocks."""
+    T = _qt()
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and row_length % 256:
+        return {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}[qtype]
+    return qtype
+
+
+def tensor_type(fmt: str, name: str, shape: Shape, row_length: int):
+    """The GGML type of tensor `name` (GGUF naming) in format `fmt`."""
+    T = _qt()
+    if name.endswith("norm.weight") or name == "rope_freqs.weight":
+        return T.F32
+    base = {"f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
+            "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q4_k_m": T.Q4_K}[fmt]
+    if fmt == "q4_k_m":
+        if name == "output.weight" or (name == "token_embd.weight" and shape.tie_word_embeddings):
+            base = T.Q6_K
+        elif name.endswith(("attn_v.weight", "ffn_down.weight")):
+            layer = int(name.split(".")[1])
+            if use_more_bits(layer, shape.num_layers):
+                base = T.Q6_K
+    return _fallback(base, row_length)
+
+
+_FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q4_k_m": 15, "q4_k": 14, "q5_k": 16, "q6_k": 18}
+
+
+def gguf_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, numpy shape [rows, row length]) of every tensor, in file order."""
+    s = shape
+    D, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if s.llama3_rope is not None:
+        out.append(("rope_freqs.weight", (s.head_dim // 2,)))
+    out.append(("token_embd.weight", (s.vocab_size, D)))
+    for i in range(s.num_layers):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", (D,)), (p + "attn_q.weight", (q, D)), (p + "attn_k.weight", (kv, D)),
+                (p + "attn_v.weight", (kv, D)), (p + "attn_output.weight", (D, q)), (p + "ffn_norm.weight", (D,)),
+                (p + "ffn_gate.weight", (s.intermediate_size, D)), (p + "ffn_up.weight", (s.intermediate_size, D)),
+                (p + "ffn_down.weight", (D, s.intermediate_size))]
+    out.append(("output_norm.weight", (D,)))
+    if not s.tie_word_embeddings:
+        out.append(("output.weight", (s.vocab_size, D)))
+    return out
+
+
+def hf_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor of the safetensors checkpoint, in file order."""
+    s = shape
+    D, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (s.vocab_size, D))]
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (D,)), (p + "self_attn.q_proj.weight", (q, D)),
+                (p + "self_attn.k_proj.weight", (kv, D)), (p + "self_attn.v_proj.weight", (kv, D)),
+                (p + "self_attn.o_proj.weight", (D, q)), (p + "post_attention_layernorm.weight", (D,)),
+                (p + "mlp.gate_proj.weight", (s.intermediate_size, D)), (p + "mlp.up_proj.weight", (s.intermediate_size, D)),
+                (p + "mlp.down_proj.weight", (D, s.intermediate_size))]
+    out.append(("model.norm.weight", (D,)))
+    if not s.tie_word_embeddings:
+        out.append(("lm_head.weight", (s.vocab_size, D)))
+    return out
+
+
+def llama3_rope_factors(shape: Shape) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for llama3 RoPE scaling: the
+    divisor of each inverse frequency."""
+    factor, low, high, old_ctx = shape.llama3_rope
+    freqs = 1.0 / (shape.rope_theta ** (np.arange(0, shape.head_dim, 2, dtype=np.float64) / shape.head_dim))
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    out = np.where(wavelen < old_ctx / high, 1.0,
+                   np.where(wavelen > old_ctx / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    return out.astype(np.float32)
+
+
+# ---- random blocks ------------------------------------------------------------------------
+
+_JITTER = 0.25  # per-block scale factor uniform in [1 - j, 1 + j]
+_JITTER_MS = 1 + _JITTER**2 / 3  # E[f²]
+
+
+def _uniform_int_ms(lo: int, hi: int, center: float = 0.0) -> float:
+    """E[(q − center)²] for q uniform on the integers lo..hi."""
+    n = hi - lo + 1
+    mean = (lo + hi) / 2
+    return (n * n - 1) / 12 + (mean - center) ** 2
+
+
+def _raw_bytes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    n = int(np.prod(shape))
+    words = rng.bit_generator.random_raw((n + 7) // 8)
+    return words.view(np.uint8)[:n].reshape(shape)
+
+
+def _fp16(values: np.ndarray) -> np.ndarray:
+    """float → fp16 bytes [..., 2]."""
+    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _scales(rng: np.random.Generator, n: int, base: float) -> np.ndarray:
+    return base * rng.uniform(1 - _JITTER, 1 + _JITTER, n)
+
+
+def _pack_nibbles_32(codes: np.ndarray) -> np.ndarray:
+    """[n, 32] 4-bit codes → [n, 16] bytes: element j in the low nibble of byte j, j+16 in the high."""
+    return codes[:, :16] | (codes[:, 16:] << np.uint8(4))
+
+
+def _make_q8_0(rng, n):
+    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(-127, 127)))
+    qs = rng.integers(-127, 128, (n, 32), dtype=np.int8).view(np.uint8)
+    return np.concatenate([_fp16(d), qs], axis=1)
+
+
+def _make_q4_0(rng, n):
+    # codes 1..15 (weights d·(q − 8) in −7..7, symmetric)
+    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(-7, 7)))
+    codes = rng.integers(1, 16, (n, 32), dtype=np.uint8)
+    return np.concatenate([_fp16(d), _pack_nibbles_32(codes)], axis=1)
+
+
+def pack_q5_0(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks from scales [n] and 5-bit codes [n, 32] (weight = d·(code − 16))."""
+    qs = (codes[:, :16] & np.uint8(0x0F)) | ((codes[:, 16:] & np.uint8(0x0F)) << np.uint8(4))
+    qh = np.packbits(codes >> np.uint8(4), axis=-1, bitorder="little")
+    return np.concatenate([_fp16(d), qh, qs], axis=1)
+
+
+def _make_q5_0(rng, n):
+    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(-15, 15)))
+    return pack_q5_0(d, rng.integers(1, 32, (n, 32), dtype=np.uint8))
+
+
+def _make_q4_1(rng, n):
+    # w = d·q + m, q uniform 0..15, m = −7.5·d: zero mean
+    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(0, 15, 7.5)))
+    return np.concatenate([_fp16(d), _fp16(-7.5 * d), _raw_bytes(rng, (n, 16))], axis=1)
+
+
+def _make_q5_1(rng, n):
+    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(0, 31, 15.5)))
+    return np.concatenate([_fp16(d), _fp16(-15.5 * d), _raw_bytes(rng, (n, 20))], axis=1)
+
+
+def pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The 12-byte scales field of Q4_K / Q5_K from 6-bit sub-block scales and mins [n, 8]."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    lo_d = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    lo_m = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    hi = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return np.concatenate([lo_d, lo_m, hi], axis=1)
+
+
+# sub-block scales: Q4_K's span 32..63 as llama.cpp's (the largest near 63); Q5_K's 16..31
+# keep its fp16 d a normal number
+_K_SCALE_RANGE = {"q4_k": (32, 63), "q5_k": (16, 31)}
+
+
+def _make_k_minned(rng, n, bits: int):
+    lo, hi = _K_SCALE_RANGE["q4_k" if bits == 4 else "q5_k"]
+    center = (2**bits - 1) / 2
+    sc_ms = _uniform_int_ms(lo, hi)
+    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * sc_ms * _uniform_int_ms(0, 2**bits - 1, center)))
+    sc = rng.integers(lo, hi + 1, (n, 8), dtype=np.uint8)
+    # w = d·sc·q − dmin·m with dmin = center·d and m = sc: each sub-block's mean is zero
+    parts = [_fp16(d), _fp16(center * d), pack_k_scales(sc, sc)]
+    if bits == 5:
+        parts.append(_raw_bytes(rng, (n, 32)))  # qh: the fifth bit of each weight
+    parts.append(_raw_bytes(rng, (n, 128)))  # qs: the low four bits
+    return np.concatenate(parts, axis=1)
+
+
+def pack_q6_k(d: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Q6_K blocks from d [n], int8 sub-block scales [n, 16] and 6-bit codes [n, 256]
+    (weight e = d·scales[e // 16]·(codes[e] − 32)); the layout of `gguf.quants.Q6_K`."""
+    n = codes.shape[0]
+    c = codes.reshape(n, 2, 128)
+    lo, hi = c & np.uint8(0x0F), c >> np.uint8(4)
+    ql = (lo[:, :, :64] | (lo[:, :, 64:] << np.uint8(4))).reshape(n, 128)
+    h = hi.reshape(n, 2, 4, 32)
+    qh = (h[:, :, 0] | (h[:, :, 1] << np.uint8(2)) | (h[:, :, 2] << np.uint8(4)) | (h[:, :, 3] << np.uint8(6))).reshape(n, 64)
+    return np.concatenate([ql, qh, scales.astype(np.int8).view(np.uint8), _fp16(d)], axis=1)
+
+
+_Q6_SCALE_RANGE = (8, 15)  # int8 sub-block scales; keeps the fp16 d a normal number
+
+
+def _make_q6_k(rng, n):
+    lo, hi = _Q6_SCALE_RANGE
+    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(lo, hi) * _uniform_int_ms(-31, 31)))
+    scales = rng.integers(lo, hi + 1, (n, 16), dtype=np.int8)
+    return pack_q6_k(d, scales, rng.integers(1, 64, (n, 256), dtype=np.uint8))  # codes 1..63: −31..31
+
+
+def _block_makers():
+    T = _qt()
+    return {
+        T.Q8_0: _make_q8_0, T.Q4_0: _make_q4_0, T.Q4_1: _make_q4_1, T.Q5_0: _make_q5_0, T.Q5_1: _make_q5_1,
+        T.Q4_K: lambda rng, n: _make_k_minned(rng, n, 4), T.Q5_K: lambda rng, n: _make_k_minned(rng, n, 5),
+        T.Q6_K: _make_q6_k,
+    }
+
+
+# ---- one tensor's data ----------------------------------------------------------------------
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """A generator per tensor, so a tensor's values do not depend on which were made before it."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _row_chunks(rows: int, row_length: int) -> Iterator[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // row_length)
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _float_rows(rng: np.random.Generator, n_rows: int, row_length: int) -> np.ndarray:
+    x = rng.standard_normal((n_rows, row_length), dtype=np.float32)
+    x *= WEIGHT_STD
+    return x
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 → bf16 bit patterns (uint16), rounding to nearest even (finite inputs)."""
+    u = x.view(np.uint32)
+    return ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(np.uint16)
+
+
+def tensor_data(name: str, shape: tuple[int, ...], qtype, model_shape: Shape, seed: int) -> np.ndarray:
+    """The bytes of one tensor as the array GGUFWriter writes: F32 norms (1.0) and RoPE
+    factors, F16 / BF16 (uint16 bits) rows, or quantized blocks [rows, row bytes] uint8."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if name == "rope_freqs.weight":
+        return llama3_rope_factors(model_shape)
+    if len(shape) == 1:
+        return np.ones(shape, dtype=np.float32)
+    rows, row_length = shape
+    rng = _rng(seed, name)
+    if qtype in (T.F16, T.BF16, T.F32):
+        out = np.empty(shape, dtype={T.F16: np.float16, T.BF16: np.uint16, T.F32: np.float32}[qtype])
+        for a, b in _row_chunks(rows, row_length):
+            x = _float_rows(rng, b - a, row_length)
+            out[a:b] = _to_bf16_bits(x) if qtype == T.BF16 else x
+        return out
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks_per_row = row_length // block
+    make = _block_makers()[qtype]
+    out = np.empty((rows, blocks_per_row * type_size), dtype=np.uint8)
+    for a, b in _row_chunks(rows, row_length):
+        out[a:b] = make(rng, (b - a) * blocks_per_row).reshape(b - a, -1)
+    return out
+
+
+# ---- the tokenizer of the default model --------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _default_gguf_metadata() -> tuple[Path, tuple[tuple[str, object, tuple], ...], int]:
+    """(path, every `tokenizer.*` field as (key, value, types), vocabulary size) of the default GGUF."""
+    from kvserve.model.gguf_metadata import open_gguf
+    from kvserve.model.loader import default_model_path
+
+    path = default_model_path()
+    reader = open_gguf(path)
+    fields = tuple((k, f.contents(), tuple(f.types)) for k, f in reader.fields.items() if k.startswith("tokenizer."))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return path, fields, vocab
+
+
+def _token_id(fields, key: str, default: int | None = None) -> int | None:
+    for k, v, _ in fields:
+        if k == key:
+            return int(v)
+    return default
+
+
+# ---- writers -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MadeModel:
+    path: Path
+    shape_name: str
+    fmt: str
+    seconds: float
+    bytes: int
+    tensor_types: dict[str, int]  # type name → tensor count
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool = True, tokenizer: bool = True) -> MadeModel:
+    """Write the GGUF. `tokenizer=False` leaves out the tokenizer metadata (the engine cannot
+    load such a file; tests use it because `GGUFReader` parses 49152 token strings slowly)."""
+    import gguf
+
+    start = time.perf_counter()
+    shape = SHAPES[shape_name]
+    src, fields, vocab = _default_gguf_metadata()
+    if vocab != shape.vocab_size:
+        shape = dataclasses.replace(shape, vocab_size=vocab)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_type("model")
+    w.add_name(f"random {shape_name} {fmt}")
+    w.add_string("general.description", f"random weights (std {WEIGHT_STD}) made by kvserve bench make-model, seed {seed}; "
+                                        f"tokenizer of {src.name}")
+    a = "llama"
+    w.add_uint32(f"{a}.context_length", shape.context_length)
+    w.add_uint32(f"{a}.embedding_length", shape.hidden_size)
+    w.add_uint32(f"{a}.block_count", shape.num_layers)
+    w.add_uint32(f"{a}.feed_forward_length", shape.intermediate_size)
+    w.add_uint32(f"{a}.rope.dimension_count", shape.head_dim)
+    w.add_uint32(f"{a}.attention.head_count", shape.num_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", shape.num_kv_heads)
+    w.add_uint32(f"{a}.attention.key_length", shape.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", shape.head_dim)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_norm_eps)
+    w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
+    w.add_uint32(f"{a}.vocab_size", shape.vocab_size)
+    w.add_uint32("general.file_type", _FILE_TYPES[fmt])
+    if fmt not in ("f16", "bf16"):
+        w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
+    for key, value, types in fields if tokenizer else ():
+        w.add_key_value(key, value, types[0], sub_type=types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None)
+
+    plan = []
+    counts: dict[str, int] = {}
+    for name, tshape in gguf_tensors(shape):
+        qtype = tensor_type(fmt, name, shape, tshape[-1])
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        plan.append((name, tshape, qtype))
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(tshape)) // block * type_size
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor_info(name, tshape, np.dtype(np.float32 if qtype.name == "F32" else np.float16), nbytes)
+        elif qtype == gguf.GGMLQuantizationType.BF16:
+            w.add_tensor_info(name, tshape, np.dtype(np.uint16), nbytes, raw_dtype=qtype)
+        else:
+            byte_shape = (*tshape[:-1], tshape[-1] // block * type_size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for k, (name, tshape, qtype) in enumerate(plan):
+        w.write_tensor_data(tensor_data(name, tshape, qtype, shape, seed))
+        if (k + 1) % 50 == 0:
+            _log(f"  {k + 1}/{len(plan)} tensors", quiet)
+    w.close()
+    os.replace(tmp, out)
+    return MadeModel(out, shape_name, fmt, time.perf_counter() - start, out.stat().st_size, counts)
+
+
+def hf_config(shape: Shape, bos: int | None, eos: int | None) -> dict:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.context_length, "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta, "rope_scaling": None, "tie_word_embeddings": shape.tie_word_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "initializer_range": WEIGHT_STD, "pretraining_tp": 1, "use_cache": True,
+        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "bfloat16",
+    }
+    if shape.llama3_rope is not None:
+        factor, low, high, old_ctx = shape.llama3_rope
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                  "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
+    return config
+
+
+def _shards(tensors: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards: list[list] = [[]]
+    size = 0
+    for name, shape in tensors:
+        nbytes = int(np.prod(shape)) * 2
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], make: Callable[[str, tuple], np.ndarray]) -> int:
+    """A bf16 safetensors file written tensor by tensor: the header (offsets known from the
+    shapes), then each tensor's bytes as it is made."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in tensors:
+        nbytes = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, shape in tensors:
+            data = make(name, shape)
+            assert data.dtype == np.uint16 and data.shape == tuple(shape), name
+            data.tofile(f)
+    return offset
+
+
+def write_hf(out: Path, shape_name: str, seed: int = 0, quiet: bool = True,
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> MadeModel:
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    shape = SHAPES[shape_name]
+    src, fields, vocab = _default_gguf_metadata()
+    if vocab != shape.vocab_size:
+        shape = dataclasses.replace(shape, vocab_size=vocab)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    bos, eos = _token_id(fields, "tokenizer.ggml.bos_token_id"), _token_id(fields, "tokenizer.ggml.eos_token_id")
+    (out / "config.json").write_text(json.dumps(hf_config(shape, bos, eos), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}, indent=2) + "\n")
+    AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(out))
+
+    def make(name: str, tshape: tuple) -> np.ndarray:
+        if len(tshape) == 1:
+            return np.full(tshape, 0x3F80, dtype=np.uint16)  # bf16 1.0
+        rows, row_length = tshape
+        rng = _rng(seed, name)
+        data = np.empty(tshape, dtype=np.uint16)
+        for a, b in _row_chunks(rows, row_length):
+            data[a:b] = _to_bf16_bits(_float_rows(rng, b - a, row_length))
+        return data
+
+    shards = _shards(hf_tensors(shape), max_shard_bytes)
+    total = 0
+    weight_map = {}
+    for k, tensors in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += _write_safetensors(out / fname, tensors, make)
+        weight_map.update({name: fname for name, _ in tensors})
+        _log(f"  wrote {fname}", quiet)
+    index = out / "model.safetensors.index.json"
+    if len(shards) > 1:
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    elif index.exists():
+        index.unlink()
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return MadeModel(out, shape_name, "hf-bf16", time.perf_counter() - start, size, {"BF16": len(weight_map)})
+
+
+def make_model(out: Path | str, shape_name: str, fmt: str, seed: int = 0, quiet: bool = True) -> MadeModel:
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}; one of {', '.join(SHAPES)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    if fmt == "hf-bf16":
+        return write_hf(Path(out), shape_name, seed, quiet)
+    return write_gguf(Path(out), shape_name, fmt, seed, quiet)
+
+
+def expected_bytes(shape_name: str, fmt: str) -> int:
+    """Bytes of the tensors of a made model (what the disk needs, headers aside)."""
+    import gguf
+
+    shape = SHAPES[shape_name]
+    if fmt == "hf-bf16":
+        return sum(int(np.prod(s)) * 2 for _, s in hf_tensors(shape))
+    total = 0
+    for name, tshape in gguf_tensors(shape):
+        block, type_size = gguf.GGML_QUANT_SIZES[tensor_type(fmt, name, shape, tshape[-1])]
+        total += int(np.prod(tshape)) // block * type_size
+    return total
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TensorStats:
+    name: str
+    type_name: str
+    mean: float
+    std: float
+    finite: bool
+    min_scale: float | None = None  # the smallest fp16 d of the sampled blocks
+
+
+def _sample_rows(data: np.ndarray, max_rows: int = 256) -> np.ndarray:
+    return data[:max_rows] if data.ndim > 1 else data
+
+
+def verify_gguf(path: Path | str, shape_name: str, fmt: str, sample: int = 4) -> list[TensorStats]:
+    """Check a made GGUF: readable by `gguf.GGUFReader`, every tensor named, typed and shaped
+    as planned; a few of each quantized type dequantized (their first 256 rows) to finite
+    values of std within 10 % of 0.02 and mean near zero. Raises AssertionError on a miss."""
+    import gguf
+
+    shape = SHAPES[shape_name]
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    planned = gguf_tensors(dataclasses.replace(shape, vocab_size=int(reader.fields["llama.vocab_size"].contents())))
+    assert [t.name for t in reader.tensors] == [n for n, _ in planned], "tensor names or order differ from the plan"
+    by_type: dict[str, list[str]] = {}
+    for name, tshape in planned:
+        t = tensors[name]
+        want = tensor_type(fmt, name, shape, tshape[-1])
+        assert t.tensor_type == want, f"{name}: {t.tensor_type.name}, planned {want.name}"
+        assert tuple(int(d) for d in reversed(t.shape)) == tuple(tshape), f"{name}: shape {t.shape}, planned {tshape}"
+        if len(tshape) == 2:
+            by_type.setdefault(want.name, []).append(name)
+    stats = []
+    for type_name, names in by_type.items():
+        picks = [names[0], names[-1], *names[1:-1][:: max(1, len(names) // sample)]][:sample]
+        for name in dict.fromkeys(picks):
+            t = tensors[name]
+            rows = np.asarray(_sample_rows(t.data))
+            values = gguf.quants.dequantize(rows, t.tensor_type).astype(np.float64)
+            s = TensorStats(name, type_name, float(values.mean()), float(values.std()), bool(np.isfinite(values).all()),
+                            _min_scale(rows, t.tensor_type))
+            assert s.finite, f"{name}: non-finite values"
+            assert abs(s.std - WEIGHT_STD) < 0.1 * WEIGHT_STD, f"{name}: std {s.std:.4g}, want ≈ {WEIGHT_STD}"
+            assert abs(s.mean) < 0.05 * WEIGHT_STD, f"{name}: mean {s.mean:.3g}"
+            if s.min_scale is not None:
+                assert np.isfinite(s.min_scale) and s.min_scale >= 2.0**-14, f"{name}: fp16 d {s.min_scale} not a normal positive"
+            stats.append(s)
+    for name in (n for n, s in planned if len(s) == 1 and n != "rope_freqs.weight"):
+        assert np.all(np.asarray(tensors[name].data) == 1.0), f"{name}: norm weights are not 1"
+    return stats
+
+
+def _min_scale(rows: np.ndarray, qtype) -> float | None:
+    """The smallest super-block / block fp16 d in these rows (None for float types)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if qtype in (T.F16, T.BF16, T.F32):
+        return None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rows.reshape(-1, type_size)
+    at = type_size - 2 if qtype == T.Q6_K else 0  # Q6_K keeps d last, the rest first
+    d = blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+    return float(d.min())
+
+
+def forward_check(path: Path | str, token: int = 1) -> dict[str, float]:
+    """One token through every layer of a made GGUF in float32 numpy, layer by layer (one
+    layer's weights dequantized at a time): the residual stream's RMS after each layer and
+    the logits' std. At position 0 attention is the value projection (softmax over one
+    position), so Q and K are computed only to check they are finite. Raises on NaN/inf."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    f = reader.fields
+    n_layers = int(f["llama.block_count"].contents())
+    n_heads = int(f["llama.attention.head_count"].contents())
+    n_kv = int(f["llama.attention.head_count_kv"].contents())
+    eps = float(f["llama.attention.layer_norm_rms_epsilon"].contents())
+
+    def weight(name: str, rows: slice | None = None) -> np.ndarray:
+        t = tensors[name]
+        data = np.asarray(t.data if rows is None else t.data[rows])
+        shape = [int(d) for d in reversed(t.shape)]
+        if rows is not None:
+            shape[0] = data.shape[0]
+        return gguf.quants.dequantize(data, t.tensor_type).astype(np.float32).reshape(shape)
+
+    def norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x) + eps) * w
+
+    h = weight("token_embd.weight", slice(token, token + 1))[0]
+    report: dict[str, float] = {"embedding_rms": float(np.sqrt(np.mean(h * h)))}
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        x = norm(h, weight(p + "attn_norm.weight"))
+        q, k, v = (weight(p + n) @ x for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight"))
+        assert np.isfinite(q).all() and np.isfinite(k).all(), f"layer {i}: Q/K not finite"
+        attn = np.repeat(v.reshape(n_kv, -1), n_heads // n_kv, axis=0).reshape(-1)
+        h = h + weight(p + "attn_output.weight") @ attn
+        x = norm(h, weight(p + "ffn_norm.weight"))
+        gate, up = weight(p + "ffn_gate.weight") @ x, weight(p + "ffn_up.weight") @ x
+        h = h + weight(p + "ffn_down.weight") @ (gate / (1 + np.exp(-gate)) * up)
+        report[f"layer_{i}_rms"] = float(np.sqrt(np.mean(h * h)))
+        assert np.isfinite(h).all(), f"layer {i}: residual stream not finite"
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    x = norm(h, weight("output_norm.weight"))
+    logits = np.concatenate([weight(head, slice(a, b)) @ x for a, b in _row_chunks(int(tensors[head].shape[1]), x.size)])
+    assert np.isfinite(logits).all(), "logits not finite"
+    report["logits_std"] = float(logits.std())
+    return report
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def _disk_free(path: Path) -> int:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    return os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize
+
+
+def run(args) -> int:
+    from kvserve.errors import ConfigError
+
+    out = Path(args.out).expanduser()
+    if args.format != "hf-bf16" and out.suffix != ".gguf":
+        raise ConfigError("--out", f"a GGUF format writes a .gguf file, got {out}")
+    if args.format == "hf-bf16" and out.suffix == ".gguf":
+        raise ConfigError("--out", f"hf-bf16 writes a directory, got {out}")
+    need = expected_bytes(args.shape, args.format)
+    free = _disk_free(out.parent if args.format != "hf-bf16" else out)
+    if need > free - 2**30:
+        raise ConfigError("--out", f"needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free there (1 GiB kept free)")
+    print(f"making {args.shape} {args.format} → {out} ({need / 1e9:.2f} GB)", file=sys.stderr, flush=True)
+    made = make_model(out, args.shape, args.format, seed=args.seed, quiet=False)
+    types = ", ".join(f"{n} {k}" for n, k in sorted(made.tensor_types.items()))
+    print(f"wrote {made.path}: {made.bytes / 1e9:.3f} GB in {made.seconds:.1f} s ({types})")
+    if args.format != "hf-bf16" and not args.no_verify:
+        t = time.perf_counter()
+        stats = verify_gguf(made.path, args.shape, args.format)
+        worst = max(stats, key=lambda s: abs(s.std - WEIGHT_STD))
+        print(f"verified: reads back, {len(stats)} sampled tensors finite, std {min(s.std for s in stats):.4g}.."
+              f"{max(s.std for s in stats):.4g} (worst {worst.name} {worst.type_name}) in {time.perf_counter() - t:.1f} s")
+    if args.forward_check and args.format != "hf-bf16":
+        t = time.perf_counter()
+        rep = forward_check(made.path)
+        rms = [v for k, v in rep.items() if k.startswith("layer_")]
+        print(f"forward check: residual RMS {rms[0]:.3g} after layer 0 → {rms[-1]:.3g} after layer {len(rms) - 1}, "
+              f"logits std {rep['logits_std']:.3g}, all finite ({time.perf_counter() - t:.1f} s)")
+    return 0
