@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.errors import ConfigError
-from kvserve.planner import hardware, models
+from kvserve.planner import formats, hardware, models
 from kvserve.planner.layout import KV_LAYOUTS
 
 GB, MS, US = 1e9, 1e-3, 1e-6
@@ -32,6 +32,7 @@ _FLAGS = {
     "hbm_bytes": "--hbm-gb", "hbm_bytes_per_s": "--hbm-gb-per-s", "peak_flops_per_s": "--peak-tflops",
     "cost_usd_per_chip_s": "--chip-cost-usd-per-hour", "link_bytes_per_s": "--link-gb-per-s",
     "link_latency_s": "--link-latency-us", "model": "--model", "chip": "--chip",
+    "kv_scale_bytes": "--kv-cache-dtype", "weight_format": "--quantization", "kv_cache_dtype": "--kv-cache-dtype",
     **{f: "--" + f.replace("_", "-") for f in ("num_layers", "d_model", "ffn_width", "num_query_heads", "num_kv_heads",
                                               "head_dim", "vocab_size", "num_params")},
 }
@@ -81,8 +82,14 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link-latency-us", type=float, help="collective start-up α, µs")
     g = p.add_argument_group("deployment")
     g.add_argument("--num-chips", type=int, default=1, help="N chips in one model replica (default 1)")
-    g.add_argument("--bytes-per-weight", type=float, default=2.0, help="p_w (default 2 = bf16; 1 = int8)")
-    g.add_argument("--bytes-per-kv-element", type=float, default=2.0, help="p_kv (default 2)")
+    g.add_argument("--quantization", metavar="NAME",
+                   help=f"p_w from the engine's weight format: {', '.join(formats.QUANTIZATIONS)} (auto: a .gguf's own "
+                   "tensor bytes, else bf16); instead of --bytes-per-weight")
+    g.add_argument("--kv-cache-dtype", metavar="NAME",
+                   help=f"p_kv from the engine's KV cache type: {', '.join(formats.KV_CACHE_DTYPES)} (int8 adds its "
+                   "fp32 scale per position and KV head); instead of --bytes-per-kv-element")
+    g.add_argument("--bytes-per-weight", type=float, help="p_w (default 2 = bf16; 1 = int8)")
+    g.add_argument("--bytes-per-kv-element", type=float, help="p_kv (default 2)")
     g.add_argument("--bytes-per-activation", type=float, default=2.0, help="p_a of TP collectives (default 2)")
     g.add_argument("--reserved-gb-per-chip", type=float, default=0.0, help="R: workspace and other use, GB (default 0)")
     g.add_argument("--kv-layout", choices=KV_LAYOUTS, default="heads",
@@ -127,18 +134,40 @@ def _model(args) -> models.ModelShape:
     return models.ModelShape("custom", **shape, num_params=params, note="custom shape")
 
 
+def _either(name_flag: str, name: str | None, number_flag: str, number: float | None) -> None:
+    if name is not None and number is not None:
+        raise ConfigError(name_flag, f"give {name_flag} or {number_flag}, not both (got {name!r} and {number:g})")
+
+
+def _bytes(args, model: models.ModelShape) -> dict:
+    """p_w, p_kv and the KV scale bytes from the format names or the explicit numbers (default bf16)."""
+    _either("--quantization", args.quantization, "--bytes-per-weight", args.bytes_per_weight)
+    _either("--kv-cache-dtype", args.kv_cache_dtype, "--bytes-per-kv-element", args.bytes_per_kv_element)
+    out = {"bytes_per_weight": 2.0 if args.bytes_per_weight is None else args.bytes_per_weight,
+           "bytes_per_kv_element": 2.0 if args.bytes_per_kv_element is None else args.bytes_per_kv_element}
+    if args.quantization is not None:
+        out["bytes_per_weight"] = formats.weight_format(args.quantization, model).bytes_per_weight
+        out["weight_format"] = args.quantization
+    if args.kv_cache_dtype is not None:
+        kv_format = formats.kv_format(args.kv_cache_dtype)
+        out.update(bytes_per_kv_element=kv_format.bytes_per_kv_element, kv_scale_bytes=kv_format.scale_bytes,
+                   kv_cache_dtype=args.kv_cache_dtype)
+    return out
+
+
 def build_inputs(args):
     from kvserve.planner.inputs import PlanInputs
 
     try:
+        model = _model(args)
         chip = hardware.with_overrides(
             hardware.get_chip(args.chip), hbm_bytes=_scaled(args.hbm_gb, GB), hbm_bytes_per_s=_scaled(args.hbm_gb_per_s, GB),
             peak_flops_per_s=_scaled(args.peak_tflops, 1e12), cost_usd_per_chip_s=_scaled(args.chip_cost_usd_per_hour, 1 / 3600),
             link_bytes_per_s=_scaled(args.link_gb_per_s, GB), link_latency_s=_scaled(args.link_latency_us, US),
         )
         return PlanInputs(
-            model=_model(args), chip=chip, num_chips=args.num_chips, bytes_per_weight=args.bytes_per_weight,
-            bytes_per_kv_element=args.bytes_per_kv_element, bytes_per_activation=args.bytes_per_activation,
+            model=model, chip=chip, num_chips=args.num_chips, **_bytes(args, model),
+            bytes_per_activation=args.bytes_per_activation,
             reserved_bytes_per_chip=args.reserved_gb_per_chip * GB, kv_layout=args.kv_layout,
             exchange_s_per_step=args.exchange_ms_per_step * MS,
             history_positions=args.history_positions or args.prompt_positions, prompt_positions=args.prompt_positions,

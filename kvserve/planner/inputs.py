@@ -23,6 +23,7 @@ class PlanInputs:
     num_chips: int = 1  # N
     bytes_per_weight: float = 2.0  # p_w (1 = int8)
     bytes_per_kv_element: float = 2.0  # p_kv
+    kv_scale_bytes: float = 0.0  # s: a quantized KV cache's scale bytes per (position, KV head), each of K and V
     bytes_per_activation: float = 2.0  # p_a, what TP collectives move
     reserved_bytes_per_chip: float = 0.0  # R: workspace, activations, runtime
     kv_layout: str = "heads"
@@ -41,6 +42,9 @@ class PlanInputs:
     handoff_bytes_per_s: float = 10e9  # link between prefill and decode pools
     target_rate_req_per_s: float | None = None  # for the handoff bandwidth needed
     arrival_rate_req_per_s: float | None = None  # for cost below full load
+    # the engine format names p_w and p_kv came from (`--quantization`, `--kv-cache-dtype`); None: given as numbers
+    weight_format: str | None = None
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -50,6 +54,7 @@ class PlanInputs:
         checks.integer("num_chips", self.num_chips, 1, 1_000_000)
         for field in ("bytes_per_weight", "bytes_per_kv_element", "bytes_per_activation"):
             checks.in_range(field, getattr(self, field), 0, 8, low_open=True)
+        checks.in_range("kv_scale_bytes", self.kv_scale_bytes, 0, 64)
         checks.non_negative("reserved_bytes_per_chip", self.reserved_bytes_per_chip)
         if self.reserved_bytes_per_chip >= self.chip.hbm_bytes:
             raise ConfigError(

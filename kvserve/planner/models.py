@@ -34,11 +34,15 @@ class ModelShape:
     vocab_size: int  # V
     num_params: float  # P
     note: str = ""
+    # bytes of the stored tensors per parameter (a GGUF's own types; `--quantization auto`); None: a float model
+    stored_bytes_per_weight: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "d_model", "ffn_width", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size"):
             checks.integer(field, getattr(self, field), 1)
         checks.positive("num_params", self.num_params)
+        if self.stored_bytes_per_weight is not None:
+            checks.positive("stored_bytes_per_weight", self.stored_bytes_per_weight)
         if self.num_query_heads % self.num_kv_heads:
             raise ConfigError(
                 "num_kv_heads",
@@ -106,11 +110,13 @@ def from_gguf(path: str | Path) -> ModelShape:
         raise ModelLoadError(f"cannot read GGUF {path}: {exc.__cause__ or exc}") from exc
     arch = read_architecture(reader, require_supported=False, source=path)
     num_params = sum(int(tensor.n_elements) for tensor in reader.tensors)
+    stored_bytes = sum(int(tensor.n_bytes) for tensor in reader.tensors)
     name = gguf_field(reader, "general.name") or Path(path).stem
-    return from_architecture(
+    shape = from_architecture(
         arch, str(name), num_params,
         note=f"from GGUF {path}; P summed over {len(reader.tensors)} tensors",
     )
+    return replace(shape, stored_bytes_per_weight=stored_bytes / num_params)
 
 
 def load_model(source: str) -> ModelShape:
@@ -140,6 +146,8 @@ def with_overrides(model: ModelShape, **fields) -> ModelShape:
         shape = {k: changes.get(k, getattr(model, k)) for k in _SHAPE_FIELDS}
         changes["num_params"] = llama_num_params(**shape, tied_embeddings=False)
         changes.setdefault("note", f"{model.name} with overrides; P recounted from Llama shapes (untied)")
+    if set(changes) & set(_SHAPE_FIELDS):
+        changes.setdefault("stored_bytes_per_weight", None)  # the file's bytes no longer describe this shape
     return replace(model, **changes)
 
 

@@ -34,7 +34,9 @@ class Derived:
     @cached_property
     def kv_bytes_per_position(self) -> float:
         m = self.inputs.model
-        return kv.kv_bytes_per_position(m.num_layers, m.num_kv_heads, m.head_dim, self.inputs.bytes_per_kv_element)
+        return kv.kv_bytes_per_position(
+            m.num_layers, m.num_kv_heads, m.head_dim, self.inputs.bytes_per_kv_element, self.inputs.kv_scale_bytes
+        )
 
     @cached_property
     def kv_bytes_per_request(self) -> float:

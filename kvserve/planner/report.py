@@ -16,6 +16,10 @@ from kvserve.planner.quantity import num, show
 JSON_VERSION = 1
 
 
+def _named(name: str | None) -> str:
+    return f" ({name})" if name else ""
+
+
 def _inputs_table(plan: Plan) -> Table:
     i, m, c = plan.inputs, plan.inputs.model, plan.inputs.chip
     price = "n/a" if c.cost_usd_per_chip_s is None else f"{c.cost_usd_per_chip_s * 3600:g} USD/h"
@@ -24,8 +28,10 @@ def _inputs_table(plan: Plan) -> Table:
                   f"N_kv={m.num_kv_heads} H={m.head_dim} V={m.vocab_size} P={num(m.num_params)}"),
         ("chip", f"{c.name}: HBM {show(c.hbm_bytes, 'B')}, β {show(c.hbm_bytes_per_s, 'B/s')}, "
                  f"C {num(c.peak_flops_per_s)} FLOP/s, {price}, link {show(c.link_bytes_per_s, 'B/s')} α {show(c.link_latency_s, 's')}"),
-        ("deployment", f"N={i.num_chips} chips, layout {i.kv_layout}, p_w={num(i.bytes_per_weight)} B, "
-                       f"p_kv={num(i.bytes_per_kv_element)} B, p_a={num(i.bytes_per_activation)} B, "
+        ("deployment", f"N={i.num_chips} chips, layout {i.kv_layout}, p_w={num(i.bytes_per_weight)} B{_named(i.weight_format)}, "
+                       f"p_kv={num(i.bytes_per_kv_element)} B{_named(i.kv_cache_dtype)}"
+                       f"{f' + {num(i.kv_scale_bytes)} B scale per KV head' if i.kv_scale_bytes else ''}, "
+                       f"p_a={num(i.bytes_per_activation)} B, "
                        f"R={show(i.reserved_bytes_per_chip, 'B')}/chip, t_x={show(i.exchange_s_per_step, 's')}"),
         ("workload", f"S={i.history_positions} history, {i.prompt_positions} prompt, N_out={i.output_tokens}, "
                      f"target {show(i.step_target_s, 's')}/step, η={num(i.utilisation)}, page {i.kv_block_positions} positions"),

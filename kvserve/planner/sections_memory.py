@@ -27,14 +27,23 @@ def kv_section(d) -> list[Q]:
     b = i.kv_block_positions
     shared, private = i.shared_prefix_positions, S - i.shared_prefix_positions
     g = m.queries_per_kv_head
+    s = i.kv_scale_bytes
+    if s:  # a quantized cache: a scale per (position, KV head) beside the H elements
+        c_kv_q = Q("kv_bytes_per_position", "KV bytes per position c_kv", c_kv, "B", "c_kv = 2·L·N_kv·(H·p_kv + s)",
+                   f"2·{m.num_layers}·{m.num_kv_heads}·({m.head_dim}·{num(i.bytes_per_kv_element)} + {num(s)}) = {num(c_kv)}",
+                   note=f"s = {num(s)} B of scale per position and KV head")
+    else:
+        c_kv_q = Q("kv_bytes_per_position", "KV bytes per position c_kv", c_kv, "B", "c_kv = 2·L·N_kv·H·p_kv",
+                   f"2·{m.num_layers}·{m.num_kv_heads}·{m.head_dim}·{num(i.bytes_per_kv_element)} = {num(c_kv)}")
+    p_kv_eff = i.bytes_per_kv_element + s / m.head_dim  # bytes read per K/V element, scales included
     return [
-        Q("kv_bytes_per_position", "KV bytes per position c_kv", c_kv, "B", "c_kv = 2·L·N_kv·H·p_kv",
-          f"2·{m.num_layers}·{m.num_kv_heads}·{m.head_dim}·{num(i.bytes_per_kv_element)} = {num(c_kv)}"),
+        c_kv_q,
         Q("kv_bytes_per_request", "logical KV per request at S", d.kv_bytes_per_request, "B", "S·c_kv",
           f"{S}·{num(c_kv)} = {num(d.kv_bytes_per_request)}"),
         Q("queries_per_kv_head", "Query heads per KV head g", g, "", "g = N_q/N_kv", f"{m.num_query_heads}/{m.num_kv_heads} = {g}"),
-        Q("gqa_intensity_flops_per_byte", "attention intensity (GQA)", kv.gqa_intensity_flops_per_byte(g, i.bytes_per_kv_element),
-          "FLOP/B", "4·g·S·H / (2·S·H·p_kv) = 2g/p_kv", f"2·{g}/{num(i.bytes_per_kv_element)}",
+        Q("gqa_intensity_flops_per_byte", "attention intensity (GQA)", kv.gqa_intensity_flops_per_byte(g, p_kv_eff),
+          "FLOP/B", "4·g·S·H / (2·S·H·p_kv) = 2g/p_kv" if not s else "4·g·S·H / (2·S·(H·p_kv + s)) = 2g/(p_kv + s/H)",
+          f"2·{g}/{num(p_kv_eff)}",
           note="independent of S: doubling history doubles both FLOPs and KV reads"),
         Q("logical_kv_bytes_batch", "logical KV of the decode batch", kv.logical_kv_bytes(S, c_kv, B), "B", "B·S·c_kv",
           f"{B}·{S}·{num(c_kv)}"),
