@@ -49,3 +49,17 @@ def tune_malloc() -> bool:
     if not ok:
         logger.info("glibc refused the malloc thresholds; keeping its defaults")
     return ok
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the OS (glibc malloc_trim), once the weights are
+    loaded. Repacking a GGUF leaves freed transients between the packed weights that the
+    trim threshold never reaches: a Llama-3.1-8B-shape Q4_K_M held 4,904 MiB of weights at
+    8,972 MB RSS before this, its Q4_0 (no transients of that size) at 4,397 MB."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.allocator import tune_malloc
+from kvserve.engine.allocator import release_free_memory, tune_malloc
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner, plan_kv_pool
@@ -116,6 +116,7 @@ class LLMEngine:
         )
         model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1, kernels=self.kernels)
         loaded.weights.clear()
+        release_free_memory()  # the load's freed transients, before the pools are allocated
         self.model = model.to(config.torch_device)
         self.model.process_weights_after_loading()
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvserve.engine.allocator import release_free_memory
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.arch import ModelArchitecture
 
@@ -114,6 +115,8 @@ def read_weights(
             and quant_formats.packable(*shape)
         ):  # fmt: skip
             weights[name] = quant_formats.from_gguf(type_name, raw, *shape)
+            del raw
+            release_free_memory()  # a repack's transients sit between packed weights: hand them back now
             continue
         if type_name not in _FLOAT_TYPES and is_quantizable(name):
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
@@ -125,6 +128,8 @@ def read_weights(
         # RoPE frequency factors stay fp32: they scale angles, not activations
         tensor = torch.from_numpy(array).to(torch.float32 if name == "rope_freqs" else dtype)
         weights[name] = transform(name, tensor) if transform else tensor
+        del raw, array, tensor
+        release_free_memory()
     if quantization == "native" and dequantized and notes is not None:
         kinds = ", ".join(f"{n} x {t}" for t, n in sorted(dequantized.items()))
         notes.append(f"dequantized to {str(dtype).removeprefix('torch.')} at load (no kernel for their type): {kinds}")

@@ -16,6 +16,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.paged import paged_attention, write_kv
+from kvserve.engine.allocator import release_free_memory
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
@@ -133,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
                 for lin in self.layers[-1].modules():
                     if isinstance(lin, Linear):
                         lin.process_weights_after_loading()
+                release_free_memory()  # the float copies just replaced, given back before the next layer
         self.norm = RMSNorm(weights.pop("model.norm.weight"), arch.rms_norm_eps, kernels.op("rms_norm"))
         self.lm_head = Linear(embed if arch.tie_word_embeddings else weights.pop("lm_head.weight"), None, kernels, argmax=True)
         # the embedding table is a Linear too, read row by row from whatever layout it is held

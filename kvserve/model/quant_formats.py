@@ -29,6 +29,9 @@ import torch
 
 BLOCK = 32
 GROUP = 16  # output columns per packed group
+# rows packed at a time: the float values a repack or quantization goes through ([rows,
+# cols] fp32, and their codes) stay a few tens of MB even for a 128k-row LM head
+_CHUNK_ROWS = 2048
 
 KINDS = {"q8": (8, False, 128), "q4": (4, False, 8), "q4_min": (4, True, 0), "q8_min": (8, True, 0)}
 # the C++ format constants (kernels.h kQuant*)
@@ -147,6 +150,19 @@ def dequantize_segment(seg: QuantSegment) -> torch.Tensor:
 # ---- from float weights (--quantization int8 | int4) --------------------------------------
 
 
+def _by_row_chunks(quantize):
+    """Quantize a large weight _CHUNK_ROWS rows at a time (one segment each), so the fp32
+    intermediates stay small: a 49k × 2048 embedding would need ~1.6 GB of them at once."""
+
+    def run(w: torch.Tensor, *args) -> QuantizedWeight:
+        if w.shape[0] <= _CHUNK_ROWS:
+            return quantize(w, *args)
+        return QuantizedWeight.cat([quantize(w[r : r + _CHUNK_ROWS], *args) for r in range(0, w.shape[0], _CHUNK_ROWS)])
+
+    return run
+
+
+@_by_row_chunks
 def quantize_int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
     """Symmetric int8, one fp16 scale per output channel (row)."""
     w = w.float()
@@ -155,6 +171,7 @@ def quantize_int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
     return pack("q8", (q + 128).to(torch.uint8), d, None, "int8 per output channel")
 
 
+@_by_row_chunks
 def quantize_q8_blocks(w: torch.Tensor, source: str) -> QuantizedWeight:
     """Symmetric int8 per block of 32 (Q8_0's rule): a requantization target for formats
     without a kernel of their own."""
@@ -165,6 +182,7 @@ def quantize_q8_blocks(w: torch.Tensor, source: str) -> QuantizedWeight:
     return pack("q8", (q + 128).to(torch.uint8).view(n, k), d.view(n, -1), None, source)
 
 
+@_by_row_chunks
 def quantize_int4_blocks(w: torch.Tensor) -> QuantizedWeight:
     """Asymmetric int4 per block of 32: d = (max − min) / 15, m = min (Q4_1's rule)."""
     n, k = w.shape
@@ -189,7 +207,12 @@ def _f16(raw: np.ndarray, start: int) -> torch.Tensor:
 
 def from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
     """One GGUF tensor's blocks (uint8 [rows, bytes per row], rows already in HF order) packed.
-    `type_name` one of GGUF_NATIVE + GGUF_REPACKED."""
+    `type_name` one of GGUF_NATIVE + GGUF_REPACKED. Large tensors are packed in chunks of rows
+    (one segment each: quant_linear runs a projection's segments in one call)."""
+    if rows > _CHUNK_ROWS:
+        parts = [from_gguf(type_name, raw[r : r + _CHUNK_ROWS], min(_CHUNK_ROWS, rows - r), cols)
+                 for r in range(0, rows, _CHUNK_ROWS)]  # fmt: skip
+        return QuantizedWeight.cat(parts)
     kb = cols // BLOCK
     if type_name == "Q8_0":
         blocks = raw.reshape(rows, kb, 34)

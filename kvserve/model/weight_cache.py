@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kvserve.model.arch import ModelArchitecture
 from kvserve.paths import cache_root
@@ -56,7 +56,9 @@ def load_cached(path: Path) -> tuple[ModelArchitecture, dict[str, torch.Tensor]]
 
         with safe_open(str(path), framework="pt") as f:
             arch = ModelArchitecture.from_dict(json.loads(f.metadata()["kvserve.architecture"]))
-        return arch, load_file(str(path))
+        from kvserve.model.hf_loader import read_safetensors
+
+        return arch, dict(read_safetensors(path))  # read, not mapped (see read_safetensors)
     except Exception:  # a torn or foreign file: convert again rather than fail
         return None
 
