@@ -127,7 +127,13 @@ def serve_table(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-TABLES = {"latency": latency_table, "throughput": throughput_table, "serve": serve_table}
+def quality_table(r: dict[str, Any]) -> list[str]:
+    from kvserve.bench.quality import quality_table as table  # one renderer, beside the measurement
+
+    return table(r)
+
+
+TABLES = {"latency": latency_table, "throughput": throughput_table, "serve": serve_table, "quality": quality_table}
 
 
 def render(path: str) -> str:

@@ -314,6 +314,7 @@ class LLMEngine:
             f"max_model_len {self.max_model_len}; loaded in {self.load_seconds:.1f}s"
             f"{' (cached weights)' if self.loaded_from_cache else ''}\n"
             f"{self.kernels.describe()}\n{self.model.describe_projections()}"
+            + "".join(f"\n  note: {note}" for note in self.format_notes)
         )
 
     @property

@@ -21,8 +21,31 @@ def open_gguf(path: Path | str):
 
     try:
         return gguf.GGUFReader(str(path))
-    except Exception as exc:  # gguf raises bare ValueError/OSError kinds for bad files
+    except ValueError as exc:
+        unknown = _unknown_tensor_type(exc)
+        if unknown:
+            name, type_id = unknown
+            raise UnsupportedModelError(
+                f"{path}: tensor {name!r} has GGML tensor type {type_id}, which kvserve (and its gguf package) does "
+                "not know"
+            ) from exc
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    except Exception as exc:  # gguf raises bare OSError kinds for bad files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def _unknown_tensor_type(exc: ValueError) -> tuple[str, int] | None:
+    """(tensor name, type id) when GGUFReader failed on a tensor type it has no enum for: its
+    message names only the number, the tensor is a local of the frame that raised."""
+    if "GGMLQuantizationType" not in str(exc):
+        return None
+    tb = exc.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        if "tensor_name" in local and "raw_dtype" in local:
+            return str(local["tensor_name"]), int(local["raw_dtype"][0])
+        tb = tb.tb_next
+    return None
 
 
 def field(reader, key: str, default: Any = None) -> Any:

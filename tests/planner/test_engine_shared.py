@@ -139,3 +139,19 @@ def test_both_caches_live_under_xdg_cache_home(tmp_path, monkeypatch):
     assert weight_cache.entry_dir("0" * 64).parent == root / "converted"
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "override"))  # still wins over XDG
     assert hardware.local_chip_path() == weight_cache.cache_root() / "local_chip.json" == tmp_path / "override" / "local_chip.json"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_planner_kv_bytes_per_position_is_the_engines_report(tiny_model_dirs, capsys, kv_cache_dtype):
+    """`kvserve plan run --kv-cache-dtype X` gives the c_kv the engine's start-up report gives
+    for the same model and flag (an int8 cache's scales included)."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.cli import main
+
+    model = tiny_model_dirs["llama-hd64"]
+    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype))
+    assert main(["plan", "run", "--model", model, "--chip", "h100", "--kv-cache-dtype", kv_cache_dtype, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["quantities"]["kv_bytes_per_position"]["value"]
+    assert planned == engine.layout.kv_bytes_per_position
+    assert f"c_kv {engine.layout.kv_bytes_per_position} bytes/position" in engine.describe()
