@@ -1,4 +1,5 @@
-"""Read a Llama-family GGUF: its architecture, dequantized weights in HF naming, its tokenizer.
+"""Read a Llama-family GGUF's weights in HF naming (quantized ones kept in a format the kernels
+run, or dequantized), and its tokenizer.
 
 The metadata (architecture) is read by the torch-free `kvserve.model.gguf_metadata`,
 shared with the planner.
@@ -126,9 +127,9 @@ def read_weights(
             raise UnsupportedModelError(f"unsupported GGUF tensor type {type_name} (tensor {tensor.name!r})") from exc
         array = np.asarray(array, dtype=np.float32).reshape(shape)
         # RoPE frequency factors stay fp32: they scale angles, not activations
-        tensor = torch.from_numpy(array).to(torch.float32 if name == "rope_freqs" else dtype)
-        weights[name] = transform(name, tensor) if transform else tensor
-        del raw, array, tensor
+        value = torch.from_numpy(array).to(torch.float32 if name == "rope_freqs" else dtype)
+        weights[name] = transform(name, value) if transform else value
+        del raw, array, value
         release_free_memory()
     if quantization == "native" and dequantized and notes is not None:
         kinds = ", ".join(f"{n} x {t}" for t, n in sorted(dequantized.items()))
