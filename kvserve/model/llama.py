@@ -194,34 +194,26 @@ class LlamaForCausalLM(nn.Module):
         kinds["lm_head"] = [self.lm_head]
         return kinds
 
-    def weight_bytes(self) -> int:
-        """Bytes of every weight as held (each packed copy once; a tied table once)."""
-        seen: dict[int, int] = {}
-        tensors = [p for p in self.parameters()] + [b for b in self.buffers() if b is not self.rotary.cos_half
-                                                    and b is not self.rotary.sin_half]
+    def weight_bytes(self, exclude: tuple[nn.Module, ...] = ()) -> int:
+        """Bytes of every weight as held (each packed copy once; a tied table once), leaving
+        out the modules in `exclude`."""
+        skipped = {id(p) for m in exclude for p in m.parameters()}
+        tensors = [p for p in self.parameters() if id(p) not in skipped]
+        tensors += [b for b in self.buffers() if b is not self.rotary.cos_half and b is not self.rotary.sin_half]
         for lin in self.projections():
-            tensors += [t for t in (lin.kernel.weight, lin.kernel.gemv, lin.kernel.amx, lin.kernel.onednn)
-                        if t is not None] if lin.kernel is not None and hasattr(lin.kernel, "gemv") else []
+            if any(lin is m for m in exclude):
+                continue
+            if lin.kernel is not None and hasattr(lin.kernel, "gemv"):
+                tensors += [t for t in (lin.kernel.weight, lin.kernel.gemv, lin.kernel.amx, lin.kernel.onednn) if t is not None]
             if lin.qweight is not None:
                 tensors += [t for seg in lin.qweight.segments for t in (seg.codes, seg.scales, seg.mins) if t is not None]
-        for t in tensors:
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
+        return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
     def decode_weight_bytes(self) -> int:
         """Bytes of the weights a decode step reads in full: all but an untied embedding table
         (one row of it is read). A quantized format counts its codes, scales and minima."""
-        untied = 0
-        if self.embed_tokens is not self.lm_head:
-            untied = self.weight_bytes() - self._weight_bytes_without(self.embed_tokens)
-        return self.weight_bytes() - untied
-
-    def _weight_bytes_without(self, skip: nn.Module) -> int:
-        saved, self.embed_tokens = self.embed_tokens, None
-        try:
-            return self.weight_bytes()
-        finally:
-            self.embed_tokens = saved
+        untied = () if self.embed_tokens is self.lm_head else (self.embed_tokens,)
+        return self.weight_bytes(exclude=untied)
 
     def describe_projections(self) -> str:
         """Each projection kind's format, kernels and compute format, and the weights' bytes."""
