@@ -366,11 +366,12 @@ def tensor_data(name: str, shape: tuple[int, ...], qtype, model_shape: Shape, se
 @lru_cache(maxsize=1)
 def _default_gguf_metadata() -> tuple[Path, tuple[tuple[str, object, tuple], ...], int]:
     """(path, every `tokenizer.*` field as (key, value, types), vocabulary size) of the default GGUF."""
-    from kvserve.model.gguf_metadata import open_gguf
+    import gguf
+
     from kvserve.model.loader import default_model_path
 
     path = default_model_path()
-    reader = open_gguf(path)
+    reader = gguf.GGUFReader(str(path))  # the field types too, to write them back
     fields = tuple((k, f.contents(), tuple(f.types)) for k, f in reader.fields.items() if k.startswith("tokenizer."))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     return path, fields, vocab

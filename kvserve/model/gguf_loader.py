@@ -93,7 +93,7 @@ def read_weights(
 
     from kvserve.model import quant_formats
 
-    path = Path(path or reader.data.filename)
+    path = Path(path or reader.path)
     weights: dict = {}
     permute = arch.architecture in ("llama", "mistral")
     dequantized: dict[str, int] = {}

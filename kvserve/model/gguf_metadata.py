@@ -1,11 +1,15 @@
 """A GGUF's metadata as a `ModelArchitecture`; torch-free, so the planner reads GGUFs with it.
 
-Only the header is parsed (`gguf.GGUFReader` memory-maps the file; no tensor data is
-read). The weights are `kvserve.model.gguf_loader`'s business.
+Only the header is parsed, by our own reader (`open_gguf`): no tensor data is read and the
+vocabulary is not decoded unless asked for. The weights are `kvserve.model.gguf_loader`'s
+business.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import mmap
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,37 +19,175 @@ from kvserve.model.arch import ModelArchitecture, RopeScaling
 GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 
 
-def open_gguf(path: Path | str):
-    """A `gguf.GGUFReader` over the file, or ModelLoadError naming it."""
+_MAGIC = b"GGUF"
+# value types of the GGUF spec: struct formats of the fixed-size ones
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Field:
+    """One metadata value. String arrays (a 150k-token vocabulary) are decoded only when asked."""
+
+    def __init__(self, value: Any = None, lazy: tuple[memoryview, int, int] | None = None):
+        self._value = value
+        self._lazy = lazy
+
+    def contents(self) -> Any:
+        if self._lazy is not None:
+            buf, pos, count = self._lazy
+            items = []
+            for _ in range(count):
+                n = struct.unpack_from("<Q", buf, pos)[0]
+                items.append(bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"))
+                pos += 8 + n
+            self._value, self._lazy = items, None
+        return self._value
+
+    def __len__(self) -> int:
+        return self._lazy[2] if self._lazy is not None else len(self._value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
+    n_elements: int
+    n_bytes: int
+    data_offset: int  # from the start of the file
+
+
+@dataclasses.dataclass
+class GGUFHeader:
+    """A GGUF's metadata and tensor table, parsed without reading tensor data or decoding the
+    vocabulary: `gguf.GGUFReader` builds numpy objects for every token and merge, which
+    peaked 160 MB for the default model's 49,152-token vocabulary (more than its weights)."""
+
+    path: Path
+    fields: dict[str, _Field]
+    tensors: list[GGUFTensorInfo]
+
+
+def open_gguf(path: Path | str) -> GGUFHeader:
+    """The header of a GGUF file, or ModelLoadError naming it (UnsupportedModelError for a
+    tensor type the `gguf` package does not know, naming the tensor)."""
     import gguf
 
+    path = Path(path)
     try:
-        return gguf.GGUFReader(str(path))
-    except ValueError as exc:
-        unknown = _unknown_tensor_type(exc)
-        if unknown:
-            name, type_id = unknown
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            buf = memoryview(mapped)
+            try:
+                return _parse(path, buf, gguf)
+            finally:
+                buf.release()
+    except (UnsupportedModelError, ModelLoadError):
+        raise
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def _parse(path: Path, mapped: memoryview, gguf) -> GGUFHeader:
+    if bytes(mapped[:4]) != _MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", mapped, 4)
+    if version < 2:
+        raise ModelLoadError(f"{path}: GGUF version {version} is too old (2 or later is read)")
+    # the header is copied out of the mapping: lazy string arrays keep a view of it, not the file
+    buf = memoryview(bytes(mapped[: _header_end(mapped, 24, n_kv, n_tensors)]))
+    pos = 24
+    fields: dict[str, _Field] = {}
+
+    def string(at: int) -> tuple[str, int]:
+        n = struct.unpack_from("<Q", buf, at)[0]
+        return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8"), at + 8 + n
+
+    def value(kind: int, at: int) -> tuple[_Field, int]:
+        if kind in _SCALARS:
+            fmt = _SCALARS[kind]
+            return _Field(struct.unpack_from(fmt, buf, at)[0]), at + struct.calcsize(fmt)
+        if kind == _STRING:
+            text, at = string(at)
+            return _Field(text), at
+        if kind == _ARRAY:
+            item, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if item == _STRING:
+                start = at
+                for _ in range(count):
+                    at += 8 + struct.unpack_from("<Q", buf, at)[0]
+                return _Field(lazy=(buf, start, count)), at
+            if item in _SCALARS:
+                fmt = _SCALARS[item]
+                size = struct.calcsize(fmt)
+                items = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, at)) if count else []
+                return _Field(items), at + size * count
+            values = []
+            for _ in range(count):
+                v, at = value(item, at)
+                values.append(v.contents())
+            return _Field(values), at
+        raise ModelLoadError(f"{path}: unknown GGUF metadata value type {kind}")
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        kind = struct.unpack_from("<I", buf, pos)[0]
+        fields[key], pos = value(kind, pos + 4)
+
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        n_dims = struct.unpack_from("<I", buf, pos)[0]
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
             raise UnsupportedModelError(
-                f"{path}: tensor {name!r} has GGML tensor type {type_id}, which kvserve (and its gguf package) does "
-                "not know"
-            ) from exc
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
-    except Exception as exc:  # gguf raises bare OSError kinds for bad files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+                f"{path}: tensor {name!r} has GGML tensor type {type_id}, which kvserve (and its gguf package) does not know"
+            ) from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        n = 1
+        for d in dims:
+            n *= int(d)
+        infos.append(GGUFTensorInfo(name, qtype, tuple(int(d) for d in dims), n, n // block * type_size, offset))
+    alignment = int(fields["general.alignment"].contents()) if "general.alignment" in fields else 32
+    data_start = -(-pos // alignment) * alignment
+    tensors = [dataclasses.replace(t, data_offset=data_start + t.data_offset) for t in infos]
+    return GGUFHeader(path, fields, tensors)
 
 
-def _unknown_tensor_type(exc: ValueError) -> tuple[str, int] | None:
-    """(tensor name, type id) when GGUFReader failed on a tensor type it has no enum for: its
-    message names only the number, the tensor is a local of the frame that raised."""
-    if "GGMLQuantizationType" not in str(exc):
-        return None
-    tb = exc.__traceback__
-    while tb is not None:
-        local = tb.tb_frame.f_locals
-        if "tensor_name" in local and "raw_dtype" in local:
-            return str(local["tensor_name"]), int(local["raw_dtype"][0])
-        tb = tb.tb_next
-    return None
+def _header_end(buf: memoryview, pos: int, n_kv: int, n_tensors: int) -> int:
+    """Where the tensor table ends: a first pass that only skips."""
+
+    def skip_string(at: int) -> int:
+        return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+
+    def skip_value(kind: int, at: int) -> int:
+        if kind in _SCALARS:
+            return at + struct.calcsize(_SCALARS[kind])
+        if kind == _STRING:
+            return skip_string(at)
+        if kind == _ARRAY:
+            item, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if item in _SCALARS:
+                return at + struct.calcsize(_SCALARS[item]) * count
+            for _ in range(count):
+                at = skip_value(item, at)
+            return at
+        raise ValueError(f"unknown GGUF metadata value type {kind}")
+
+    for _ in range(n_kv):
+        pos = skip_string(pos)
+        kind = struct.unpack_from("<I", buf, pos)[0]
+        pos = skip_value(kind, pos + 4)
+    for _ in range(n_tensors):
+        pos = skip_string(pos)
+        n_dims = struct.unpack_from("<I", buf, pos)[0]
+        pos += 4 + 8 * n_dims + 12
+    return pos
 
 
 def field(reader, key: str, default: Any = None) -> Any:
@@ -53,13 +195,7 @@ def field(reader, key: str, default: Any = None) -> Any:
     entry = reader.fields.get(key)
     if entry is None:
         return default
-    if hasattr(entry, "contents"):
-        return entry.contents()
-    # gguf < 0.11 has no `contents()`: scalars by hand
-    values = [entry.parts[i] for i in entry.data]
-    if len(values) == 1 and len(values[0]) == 1:
-        return values[0][0].item()
-    return values
+    return entry.contents()
 
 
 def read_architecture(reader, *, require_supported: bool = True, source: Path | str | None = None) -> ModelArchitecture:
