@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.markdown import _n
+
 
 def _key(data: dict[str, Any]) -> tuple[str, str]:
     args = data.get("args") or {}
@@ -59,10 +61,6 @@ def _quality(r: dict[str, Any]) -> dict[str, Any]:
 
 
 READERS = {"latency": _latency, "throughput": _throughput, "quality": _quality}
-
-
-def _n(v: float | None, digits: int = 1) -> str:
-    return "—" if v is None else f"{v:,.{digits}f}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:

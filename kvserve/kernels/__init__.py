@@ -37,14 +37,15 @@ _HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "amx_tiles.h", "v
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def cpu_has(flag: str) -> bool:

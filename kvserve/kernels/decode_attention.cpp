@@ -96,6 +96,19 @@ struct QueryF32 {
 };
 
 // acc[j] += Σ_s p_j[s] · V[s] over the S positions, for the g query heads of one KV head.
+// How many of the g heads the V pass accumulates at once (chunks of 32 features per head):
+// few enough for their accumulators to fit the 32 vector registers, of a size that divides g
+// where one does, since a group's unused heads still cost their dot products (VDPBF16PS issues
+// only every other cycle here, half the MAC rate of fp32 FMAs). The bf16 and int8 V passes
+// share it.
+inline int64_t value_head_group(int64_t g, int64_t chunks) {
+  const int64_t most = chunks == 1 ? 8 : chunks == 2 ? 4 : 2;
+  int64_t group = std::min(most, g);
+  for (int64_t size = group; size >= 2; --size)
+    if (g % size == 0) return size;
+  return group;
+}
+
 inline void accumulate_values(const float* const* v_rows, int64_t off, const float* scores, int64_t S, int64_t g,
                               int64_t hv, __m512 (*acc)[kHeadVecs]) {
   for (int64_t s = 0; s < S; ++s) {
@@ -166,13 +179,7 @@ inline void accumulate_values(const at::BFloat16* const* v_rows, int64_t off, co
                               int64_t S, int64_t g, int64_t hv, __m512 (*acc)[kHeadVecs]) {
   const int64_t chunks = hv / 2;  // 32 bf16 per chunk
   const int64_t pairs_end = S / 2 * 2;
-  // Heads in groups small enough for the accumulators to fit the 32 vector registers, of a
-  // size that divides g where one does: a group's unused heads still cost their dpbf16s,
-  // and VDPBF16PS issues only every other cycle here (half the MAC rate of fp32 FMAs).
-  const int64_t most = chunks == 1 ? 8 : chunks == 2 ? 4 : 2;
-  int64_t group = std::min(most, g);
-  for (int64_t size = group; size >= 2; --size)
-    if (g % size == 0) { group = size; break; }
+  const int64_t group = value_head_group(g, chunks);
   for (int64_t j0 = 0; j0 < g; j0 += group) {
     const int64_t n = std::min(group, g - j0);
     const uint16_t* p = pbf + j0 * S_pad;
@@ -722,10 +729,7 @@ void int8_values(const Int8Rows& r, int64_t kvh, const float* p, int64_t S, int6
 // that divides g where one does, as the bf16 V pass groups them).
 inline void int8_values_all(const Int8Rows& r, int64_t kvh, const float* p, int64_t S, int64_t g, int64_t chunks,
                             __m512 (*acc)[kHeadVecs]) {
-  const int64_t most = chunks == 1 ? 8 : chunks == 2 ? 4 : 2;
-  int64_t group = std::min(most, g);
-  for (int64_t size = group; size >= 2; --size)
-    if (g % size == 0) { group = size; break; }
+  const int64_t group = value_head_group(g, chunks);
   for (int64_t j0 = 0; j0 < g; j0 += group) {
     const int64_t n = std::min(group, g - j0);
     const float* pj = p + j0 * S;

@@ -101,9 +101,7 @@ def read_weights(
         name = _hf_name(tensor.name)
         if name is None:
             raise UnsupportedModelError(f"unsupported GGUF tensor {tensor.name!r}")
-        type_name = getattr(tensor.tensor_type, "name", None)
-        if type_name is None or type_name not in gguf.GGMLQuantizationType.__members__:
-            raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} has an unknown tensor type {tensor.tensor_type!r}")
+        type_name = tensor.tensor_type.name  # open_gguf has refused types gguf does not know
         # GGUF lists dims fastest-first; torch's [out, in] is the reverse
         shape = [int(d) for d in reversed(tensor.shape)]
         heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads if ".k_proj." in name else 0

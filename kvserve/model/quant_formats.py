@@ -232,7 +232,7 @@ def from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Quantize
     return _requantized(type_name, raw, rows, cols)
 
 
-def _k_scales(raw: np.ndarray, rows: int, cols: int, header_end: int):
+def _k_scales(raw: np.ndarray, rows: int, cols: int):
     """(d·sc, dmin·m) per sub-block of 32 for Q4_K / Q5_K super-blocks, fp32 [rows, cols/32]."""
     import gguf.quants as gq
 
@@ -248,7 +248,7 @@ def _k_scales(raw: np.ndarray, rows: int, cols: int, header_end: int):
 def _from_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
     # super-block of 256: d, dmin (fp16), 12 bytes of 6-bit scales and minima, 128 bytes of
     # nibbles: per 64 inputs, 32 bytes whose low nibbles are inputs 0-31, high ones 32-63
-    scale, minimum = _k_scales(raw, rows, cols, 16)
+    scale, minimum = _k_scales(raw, rows, cols)
     qs = torch.from_numpy(np.ascontiguousarray(raw.reshape(-1, 144)[:, 16:])).view(-1, 4, 1, 32)
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, cols)
     return pack("q4_min", codes, scale, -minimum, "Q4_K (repacked: codes exact, scales and minima rounded to fp16)")
@@ -269,7 +269,7 @@ def _requantized(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Quant
         m = _f16(blocks, 2) if type_name == "Q5_1" else -16 * d
         source = f"{type_name} (repacked to 8-bit codes, exact)"
     else:  # Q5_K
-        d, minimum = _k_scales(raw, rows, cols, 16)
+        d, minimum = _k_scales(raw, rows, cols)
         m = -minimum
         source = "Q5_K (repacked to 8-bit codes: codes exact, scales and minima rounded to fp16)"
     blocks = values.view(rows, cols // BLOCK, BLOCK)

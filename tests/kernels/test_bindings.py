@@ -200,7 +200,8 @@ def test_projection_takes_keywords_only():
         ops.Projection(_weights(False)[0])
 
 
-def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64, block=16, blocks=8):
+def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64, block=16, blocks=8, int8=False):
+    """A random DecodeModel; `int8`: its pools quantized by quantize_kv, with their scales."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -217,9 +218,16 @@ def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64,
     ]  # fmt: skip
     pools = [rand(blocks, block, kv_heads, head_dim) for _ in range(2 * layers)]
     angles = torch.arange(64).float()[:, None] * torch.rand(head_dim // 2, generator=g)[None]
+    scales = {}
+    if int8:
+        from kvserve.attention.paged import quantize_kv
+
+        quantized = [quantize_kv(p) for p in pools]
+        pools = [q for q, _ in quantized]
+        scales = dict(k_scales=[s for _, s in quantized[:layers]], v_scales=[s for _, s in quantized[layers:]])
     return ops.DecodeModel(layers=decoder, k_pools=pools[:layers], v_pools=pools[layers:], cos_half=angles.cos(),
                            sin_half=angles.sin(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                           eps=1e-5, scale=head_dim**-0.5)  # fmt: skip
+                           eps=1e-5, scale=head_dim**-0.5, **scales)  # fmt: skip
 
 
 def _step_inputs(batch=3, block=16):

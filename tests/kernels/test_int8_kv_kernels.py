@@ -10,7 +10,8 @@ from kvserve.attention.paged import decode_attention, prefill_attention, quantiz
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.arch import ModelArchitecture
-from tests.kernels.test_kernels import _decode_case, _prefill_case
+from tests.kernels.test_bindings import _tiny_model
+from tests.kernels.test_kernels import _decode_case, _prefill_case, decode_steps
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -150,33 +151,8 @@ def test_int8_prefill_attention_matches_the_torch_int8_reference(amx, num_heads,
     torch.testing.assert_close(got.float(), unquantized, atol=6e-2, rtol=6e-2)
 
 
-def _decode_model(int8: bool, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64, block=16, blocks=8):
-    g = torch.Generator().manual_seed(0)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).bfloat16()
-
-    def proj(n, k, bias=False):
-        return ops.Projection(weight=rand(n, k, scale=k**-0.5), bias=rand(n) if bias else None, gemv_max_rows=8)
-
-    qkv_n = (heads + 2 * kv_heads) * head_dim
-    decoder = [
-        ops.DecodeLayer(input_norm=rand(hidden), post_attention_norm=rand(hidden), qkv=proj(qkv_n, hidden, bias=True),
-                        o=proj(hidden, heads * head_dim), gate_up=proj(2 * inter, hidden), down=proj(hidden, inter))
-        for _ in range(layers)
-    ]  # fmt: skip
-    pools = [quantize_kv(rand(blocks, block, kv_heads, head_dim)) for _ in range(2 * layers)]
-    angles = torch.arange(64).float()[:, None] * torch.rand(head_dim // 2, generator=g)[None]
-    scales = dict(k_scales=[s for _, s in pools[:layers]], v_scales=[s for _, s in pools[layers:]]) if int8 else {}
-    return ops.DecodeModel(
-        layers=decoder, k_pools=[p for p, _ in pools[:layers]], v_pools=[p for p, _ in pools[layers:]],
-        cos_half=angles.cos(), sin_half=angles.sin(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        eps=1e-5, scale=head_dim**-0.5, **scales,
-    )  # fmt: skip
-
-
 def test_decode_layers_over_int8_pools_is_the_bindings_layer_by_layer_bitwise():
-    fused, stepwise = _decode_model(True), _decode_model(True)
+    fused, stepwise = _tiny_model(int8=True), _tiny_model(int8=True)
     assert len(fused.k_scales) == 2 and fused.k_scales[0].dtype == torch.float32
     h = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     lens = torch.tensor([5, 17, 30], dtype=torch.int32)
@@ -200,7 +176,7 @@ def test_decode_layers_over_int8_pools_is_the_bindings_layer_by_layer_bitwise():
 
 
 def test_decode_layers_refuses_int8_scales_off_the_layer_count():
-    m = _decode_model(True)
+    m = _tiny_model(int8=True)
     short = ops.DecodeModel(layers=m.layers, k_pools=m.k_pools, v_pools=m.v_pools, cos_half=m.cos_half,
                             sin_half=m.sin_half, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                             head_dim=m.head_dim, eps=m.eps, scale=m.scale, k_scales=m.k_scales[:1],
@@ -245,24 +221,14 @@ def test_fused_decode_over_int8_pools_equals_the_layer_by_layer_path(tiny_model_
     read and write the int8 cache identically."""
     from kvserve.config import EngineConfig
     from kvserve.engine.engine import LLMEngine
-    from tests.support.paged_driver import PagedDriver
 
     def run(fused: bool):
         engine = LLMEngine(EngineConfig(model=tiny_model_dirs["llama-hd64"], dtype="bfloat16", device="cpu",
                                         kv_cache_memory="1MiB", kv_cache_dtype="int8"))  # fmt: skip
         engine.model.fused_decode = fused
         assert (engine.model.fused_decode_rows() > 0) == fused
-        driver = PagedDriver(engine)
-        reqs = [driver.new_request(engine.tokenizer.encode(t)) for t in ("The quick brown fox", "hello world, once", "0123")]
-        for r in reqs:
-            driver.prefill(r)
-        out = []
-        for token in (5, 9, 11):
-            for r in reqs:
-                r.append_output_token(token)
-            step = driver.step([(r, 1) for r in reqs])
-            out.append(torch.stack([step[r.request_id] for r in reqs]))
-        return torch.stack(out), engine.runner.kv_pool.clone(), engine.runner.kv_scales.clone()
+        out = decode_steps(engine, ["The quick brown fox", "hello world, once", "0123"])
+        return out, engine.runner.kv_pool.clone(), engine.runner.kv_scales.clone()
 
     fused, stepwise = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(fused, stepwise))

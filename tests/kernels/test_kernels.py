@@ -408,20 +408,26 @@ def test_fused_decode_layers_equal_the_layer_by_layer_path(tiny_model_dirs, qwen
     def run(fused: bool):
         engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_memory="4MiB"))
         engine.model.fused_decode = fused
-        # 11 rows fit the fused path: past the GEMV's 8, on AMX tiles or (without AMX) oneDNN's packed copies
+        # 11 rows fit the fused path: past the GEMV's 8, on AMX tiles or (without AMX) the VNNI tiles
         assert engine.model.fused_decode_rows() >= 11 if fused else engine.model.fused_decode_rows() == 0
-        driver = PagedDriver(engine)
         # 11 requests: more than the GEMV's 8 rows, so the fused path's packed projections run
         texts = [f"{t} {i}" for i in range(11) for t in ("The quick brown fox", "hello world, once upon a time")][:11]
-        reqs = [driver.new_request(engine.tokenizer.encode(t)) for t in texts]
-        for r in reqs:
-            driver.prefill(r)
-        out = []
-        for token in (5, 9, 11):
-            for r in reqs:
-                r.append_output_token(token)
-            step = driver.step([(r, 1) for r in reqs])
-            out.append(torch.stack([step[r.request_id] for r in reqs]))
-        return torch.stack(out)
+        return decode_steps(engine, texts)
 
     assert torch.equal(run(True), run(False))
+
+
+def decode_steps(engine: LLMEngine, texts: list[str], tokens=(5, 9, 11)) -> torch.Tensor:
+    """Prefill each text as a request, then one decode step of all of them per token in
+    `tokens`: each step's sampled-row outputs, stacked [steps, requests, ...]."""
+    driver = PagedDriver(engine)
+    reqs = [driver.new_request(engine.tokenizer.encode(t)) for t in texts]
+    for r in reqs:
+        driver.prefill(r)
+    out = []
+    for token in tokens:
+        for r in reqs:
+            r.append_output_token(token)
+        step = driver.step([(r, 1) for r in reqs])
+        out.append(torch.stack([step[r.request_id] for r in reqs]))
+    return torch.stack(out)

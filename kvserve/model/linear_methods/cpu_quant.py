@@ -31,10 +31,13 @@ class CpuQuantLinearMethod(LinearMethod):
         super().__init__(silu_ops)
         self.ops = ops
         self.float_out = float_out
+        self.segments: list = []  # the weight's ops.QuantSegments, once processed
 
     def process_weights_after_loading(self, layer) -> None:
+        # kept here as well: reading Projection.quant back would copy the list on every lookup
+        self.segments = kernel_segments(self.ops, layer.qweight)
         layer.kernel = self.ops.Projection(
-            quant=kernel_segments(self.ops, layer.qweight),
+            quant=self.segments,
             # logits in fp32: bf16's step is 1/8 at |logit| 16-32, enough to tie a greedy choice
             float_out=self.float_out,
             bias=layer.bias.detach().to(torch.bfloat16) if layer.bias is not None else None,
@@ -47,7 +50,7 @@ class CpuQuantLinearMethod(LinearMethod):
         return layer.kernel
 
     def embedding_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.quant_embedding(ids, layer.kernel.quant, layer.in_features, torch.bfloat16)
+        return self.ops.quant_embedding(ids, self.segments, layer.in_features, torch.bfloat16)
 
     def describe(self, layer) -> str:
         return f"{self.name}: {layer.qweight.describe()}; {COMPUTE_FORMAT}"
