@@ -7,6 +7,7 @@ import math
 from typing import Sequence
 
 from kvserve.errors import InvalidRequestError
+from kvserve.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -32,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (kvserve/structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
