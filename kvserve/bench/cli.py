@@ -1,4 +1,4 @@
-"""`kvserve bench latency | throughput | serve | quality | make-model`: the flags.
+"""`kvserve bench latency | throughput | serve | quality | make-model | structured`: the flags.
 
 Each command prints a table, and writes its figures with the machine they ran on to
 `--json FILE`, and where a picture helps, a PNG to `--plot FILE`. The commands
@@ -83,6 +83,10 @@ def register(subparsers) -> None:
     srv.set_defaults(func=_command("serve"))
 
     _register_make_model(sub)
+
+    from kvserve.bench.structured import register as _register_structured  # its flags beside its body
+
+    _register_structured(sub)
 
 
 def _register_make_model(sub) -> None:

@@ -1,10 +1,15 @@
 """Turns each sampled row of logits into a token, batched over the step's requests.
 
-Order, as vLLM and the OpenAI API define it: logit bias; `min_tokens` masking of end
-tokens; repetition (prompt + output), frequency and presence (output) penalties; then
-greedy argmax, or temperature, top-k, top-p, min-p and a draw. Logprobs are reported from
-the model's raw distribution. A seeded request draws from its own generator, so its output
-does not depend on what else is in the batch.
+Order, as vLLM and the OpenAI API define it: the grammar's token mask (constrained
+requests, kvserve/structured); logit bias; `min_tokens` masking of end tokens; repetition
+(prompt + output), frequency and presence (output) penalties; then greedy argmax, or
+temperature, top-k, top-p, min-p and a draw. Logprobs are reported from the model's raw
+distribution, before the grammar's mask too (vLLM's default): they say what the model
+thought, and a masked token's logprob stays finite. A seeded request draws from its own
+generator, so its output does not depend on what else is in the batch.
+
+A batch with no constrained request pays one attribute check per row for it; the masks of
+the constrained rows are computed together and applied in one vectorized fill.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[Request]) ->
             ids = torch.tensor(list(params.logit_bias.keys()))
             logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
         if req.num_output_tokens < params.min_tokens:
+            if req.structured is not None and req.structured.is_terminated:
+                continue  # the grammar is complete and allows only an end: it wins over min_tokens
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += list(req.eos_token_ids)
@@ -50,28 +57,46 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row, ids] -= p.frequency_penalty * counts + p.presence_penalty
 
 
+# Past this many candidates a full sort is as cheap as topk; below it, topk saves the sort
+# of the whole vocabulary (at batch 64 x 49,152: 8 ms for topk(40) against 250 ms sorting)
+_TOPK_LIMIT = 1024
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every token outside top-k, the top-p nucleus or the min-p floor (per row).
 
     top_k 0 = off; top_p 1 = off; min_p 0 = off. The most likely token always survives.
+    When every row has a top-k (llama.cpp's default of 40 does), only the top-k candidates
+    are ranked; otherwise the whole vocabulary is sorted.
     """
     vocab = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if bool((top_k > 0).all()) and int(top_k.max()) <= min(_TOPK_LIMIT, vocab - 1):
+        candidates, order = logits.topk(int(top_k.max()), dim=-1)  # sorted, descending
+        kept = candidates.masked_fill(_outside_top_k_top_p(candidates, top_k, top_p), float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+    elif bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-        k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-        remove = ranks >= k
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        # drop a token once the mass strictly before it already reaches top_p
-        mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= top_p.unsqueeze(1)
-        remove[:, 0] = False
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+        kept = sorted_logits.masked_fill(_outside_top_k_top_p(sorted_logits, top_k, top_p), float("-inf"))
+        logits = logits.scatter(1, order, kept)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
+
+
+def _outside_top_k_top_p(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's candidates, ranked best first, fall outside its top-k or its top-p
+    nucleus (the nucleus taken within the top-k)."""
+    width = ranked.shape[-1]
+    ranks = torch.arange(width, device=ranked.device).expand_as(ranked)
+    remove = ranks >= torch.where(top_k > 0, top_k, width).unsqueeze(1)
+    probs = ranked.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # drop a token once the mass strictly before it already reaches top_p
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= top_p.unsqueeze(1)
+    remove[:, 0] = False
+    return remove
 
 
 def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -82,10 +107,19 @@ def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return (probs / q).argmax(dim=-1)
 
 
+def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
+    rows = [i for i, r in enumerate(requests) if r.structured is not None]
+    if rows:
+        from kvserve.structured.mask import apply_grammar_masks  # llguidance only once needed
+
+        apply_grammar_masks(logits, rows, [requests[i].structured for i in rows])
+
+
 def _needs_processing(req: Request) -> bool:
     p = req.sampling_params
     return bool(
-        p.logit_bias
+        req.structured is not None
+        or p.logit_bias
         or (req.num_output_tokens < p.min_tokens)
         or p.repetition_penalty != 1.0
         or p.frequency_penalty
@@ -127,6 +161,7 @@ class Sampler:
 
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        _apply_grammars(logits, requests)
         _apply_bias_and_min_tokens(logits, requests)
         _apply_penalties(logits, requests)
 

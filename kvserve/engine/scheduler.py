@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus, check_stop
+from kvserve.structured.advance import advance_structured
 
 if TYPE_CHECKING:
     from kvserve.engine.sampler import SamplerOutput
@@ -166,6 +167,8 @@ class Scheduler:
                 past_min = request.num_output_tokens >= request.sampling_params.min_tokens
                 stop_string = request.detokenizer.add_token(token, check_stop=past_min)
             stop = check_stop(request, token, stop_string)
+            if request.structured is not None:  # its grammar takes the token, and may end it
+                stop = advance_structured(request, token, stop)
             if stop is not None:
                 status, request.stop_reason = stop
                 self.finish(request, status)

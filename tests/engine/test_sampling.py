@@ -189,3 +189,19 @@ def test_token_ids_outside_the_vocabulary(llm):
         llm.generate("hi", SamplingParams(stop_token_ids=[vocab]))
     with pytest.raises(InvalidRequestError, match="logit_bias: token id"):
         llm.generate("hi", SamplingParams(logit_bias={vocab + 5: 1.0}))
+
+
+def test_top_k_candidates_path_equals_the_full_sort(monkeypatch):
+    """With a top-k on every row only the top-k are ranked; the kept tokens and their
+    logits are exactly those of sorting the whole vocabulary."""
+    import kvserve.engine.sampler as sampler
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 3000, generator=gen) * 4
+    top_k = torch.tensor([40] * 6 + [1, 2, 7, 40, 100, 999])
+    top_p = torch.tensor([0.95, 0.5, 1.0, 0.99, 0.1, 0.9] * 2)
+    min_p = torch.tensor([0.05, 0.0] * 6)
+    fast = filter_logits(logits, top_k, top_p, min_p)
+    monkeypatch.setattr(sampler, "_TOPK_LIMIT", 0)  # force the sort
+    slow = filter_logits(logits, top_k, top_p, min_p)
+    assert torch.equal(fast, slow)
