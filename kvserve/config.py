@@ -96,7 +96,9 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests at most
     long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step; 0 = none
     enable_prefix_caching: bool = True
-    max_waiting_requests: int = 0  # 0 = unbounded
+    max_waiting_requests: int = 0  # samples (n counts n) not yet started; 0 = unbounded
+    # prompt tokens of requests not yet started; None = derived (AsyncLLMEngine), 0 = unbounded
+    max_waiting_tokens: int | None = None
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
@@ -121,6 +123,8 @@ class EngineConfig:
             raise ConfigError("long_prefill_token_threshold", f"must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests", f"must be >= 0, got {self.max_waiting_requests}")
+        if self.max_waiting_tokens is not None and self.max_waiting_tokens < 0:
+            raise ConfigError("max_waiting_tokens", f"must be >= 0, got {self.max_waiting_tokens}")
         if self.num_threads < 0:
             raise ConfigError("num_threads", f"must be >= 0, got {self.num_threads}")
         self.torch_device = resolve_device(self.device)

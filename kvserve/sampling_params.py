@@ -11,6 +11,17 @@ from kvserve.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# Caps on what is checked per generated token, each a 400 beyond. OpenAI allows 4 stop
+# strings; vLLM no limit, and 200,000 were once accepted and slowed every step. 32 strings
+# of <= 256 characters keep the stop search (each string searched in the new tail, which
+# is as long as the longest one) to a few microseconds a token, and cover generous
+# agent-framework lists; the longest also sets how much text streaming holds back.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+# stop_token_ids are looked up in a set, so their cost is per request, not per token;
+# 256 is far beyond any real use (a model's end tokens are a handful).
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
 
 
 @dataclasses.dataclass
@@ -40,6 +51,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        # looked up per generated token (request.check_stop): a set, built once
+        self.stop_token_id_set = frozenset(t for t in self.stop_token_ids if isinstance(t, int))
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
@@ -78,9 +91,23 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
             )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", "stop")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop must hold non-empty strings", "stop")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters, got one of {len(s)}", "stop"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}", "stop_token_ids"
+            )
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}", "logit_bias"
+            )
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise InvalidRequestError(f"stop_token_ids must hold token ids >= 0, got {t!r}", "stop_token_ids")

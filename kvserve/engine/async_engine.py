@@ -2,46 +2,120 @@
 
 The engine thread alone touches the LLMEngine. Callers (the HTTP server's event loop)
 validate and tokenize on their side, hand requests over through a command queue, and
-read outputs from a per-request asyncio queue filled with `call_soon_threadsafe`, so a
+read outputs from a per-request hand-off filled with `call_soon_threadsafe`, so a
 forward pass never blocks the event loop and many streams progress together. A stream
 that is closed early (a client that disconnected) aborts its request; the abort is
 applied between steps, within one step.
+
+Delivery is bounded: a request has at most one pending output. When its consumer falls
+behind, the engine merges the next output into the pending one (deltas appended), so a
+client that stops reading costs no more than its request already holds, not one queued
+output per step.
+
+Engine death. A step that raises, or any exception escaping the thread's loop, kills the
+engine: the thread stops, every open stream gets `EngineDeadError`, nothing more is
+accepted (`is_running` is False, so /health answers 503) and `on_dead` is called, for the
+server to exit (or restart). A failed step is not treated as one bad request: it may
+have stopped half way through the scheduler's update (blocks allocated and not recorded,
+a request's tokens appended and its KV not written, the KV pool partly overwritten), so
+the engine's state is unknown, and a deterministic bug would fail every later step while
+the server looked healthy. vLLM decides the same (its EngineDeadError): fail loudly, let
+a supervisor start a clean process. Errors a request causes on purpose (`KVServeError`
+from add_request) still fail only that request.
+
+Test hook: the environment variable KVSERVE_TEST_FAIL_ENGINE_AFTER_STEPS=N (or the
+`fail_after_steps` attribute) makes the N+1-th step raise inside the engine thread, a
+real engine failure for the tests of the paths above. Unset, it costs nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.errors import EngineOverloadedError, InvalidRequestError, KVServeError
+from kvserve.errors import EngineOverloadedError, InvalidRequestError, KVServeError, PromptTooLongError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+FAIL_AFTER_STEPS_ENV = "KVSERVE_TEST_FAIL_ENGINE_AFTER_STEPS"
+# waiting prompt tokens, by default: this many KV pools' worth (see AsyncLLMEngine.__init__)
+_WAITING_POOLS = 4
+
 
 class EngineDeadError(KVServeError):
-    """The engine thread stopped; no request can be served."""
+    """The engine is not running (it failed, or the server is shutting down); no request can be served."""
 
 
 class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+    """One request's hand-off from the engine thread to its consumer: at most one pending
+    output (later ones merged into it) and, at the end, perhaps an error."""
 
-    def put(self, item) -> bool:
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, num_prompt_tokens: int):
+        self.loop = loop
+        self.event = asyncio.Event()
+        self._lock = threading.Lock()
+        self._pending: RequestOutput | None = None
+        self._text_parts: dict[int, list[str]] = {}
+        self._error: BaseException | None = None
+        self.started = False  # an output was handed over (engine thread)
+        # admission accounting, under AsyncLLMEngine._lock: what still counts as waiting
+        self.unstarted = [True] * n
+        self.waiting_samples = n
+        self.waiting_tokens = num_prompt_tokens
+
+    # engine thread
+    def put(self, out: RequestOutput) -> bool:
         """False when the consumer's event loop is gone (the request should be aborted)."""
+        if self.loop.is_closed():
+            return False
+        with self._lock:
+            wake = self._pending is None and self._error is None
+            if self._pending is None:
+                self._pending = out
+            else:
+                self._pending.merge(out, self._text_parts)
+        return self._wake() if wake else True
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            wake = self._pending is None and self._error is None
+            self._error = exc
+        if wake:
+            self._wake()
+
+    def _wake(self) -> bool:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.event.set)
             return True
         except RuntimeError:
             return False
+
+    # consumer's event loop
+    def take(self) -> RequestOutput | BaseException | None:
+        """The pending output (merged), else the error, else None (and wait on `event`)."""
+        with self._lock:
+            out, self._pending = self._pending, None
+            if out is not None:
+                out.take_text_parts(self._text_parts)
+                return out
+            if self._error is not None:
+                return self._error
+            self.event.clear()
+            return None
+
+    @property
+    def num_pending(self) -> int:
+        """Outputs held for the consumer: 0 or 1, however far behind it is (for tests)."""
+        return int(self._pending is not None)
 
 
 class RequestStream:
@@ -60,11 +134,15 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        try:
-            item = await self._stream.queue.get()
-        except BaseException:  # cancelled: the consumer went away
-            self.close()
-            raise
+        while True:
+            item = self._stream.take()
+            if item is not None:
+                break
+            try:
+                await self._stream.event.wait()
+            except BaseException:  # cancelled: the consumer went away
+                self.close()
+                raise
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -90,9 +168,30 @@ class AsyncLLMEngine:
         self._commands: deque = deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # guards _streams, _commands' adds, the waiting counts and the accepting/closed flags,
+        # so an add either reaches the engine thread before it closes or is refused
         self._lock = threading.Lock()
         self._accepting = True
+        self._closed = False  # the engine thread has stopped taking commands
         self._stopped = False
+        self.dead_error: BaseException | None = None  # why the engine thread failed
+        self.on_dead: Callable[[BaseException], None] | None = None  # called from the engine thread
+        self._waiting_samples = 0
+        self._waiting_tokens = 0
+        # Admission counts what has not started (no token sampled yet: queued, or in prefill),
+        # in samples (n = 4 is four sequences of work) and prompt tokens (the prefill still to
+        # do, once per request: its samples share it). Preempted requests are not counted
+        # again: they are work already admitted, which the scheduler resumes first.
+        # The token bound defaults to a few KV pools' worth of prompt: past that, the last
+        # admitted request waits for several full turnovers of the pool, and a 429 the client
+        # can retry is better than a wait it cannot see; never below one longest prompt.
+        cfg_tokens = self.config.max_waiting_tokens
+        if cfg_tokens is None:
+            cfg_tokens = max(self.engine.max_model_len, _WAITING_POOLS * self.engine.layout.num_tokens)
+        self.max_waiting_tokens = cfg_tokens
+        self.fail_after_steps: int | None = int(os.environ.get(FAIL_AFTER_STEPS_ENV) or 0) or None
+        self._steps = 0
+        self._max_token_chars = _longest_token_chars(self.engine.tokenizer)
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -105,17 +204,61 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         """Accepting requests, with the engine thread alive."""
-        return self._accepting and self._thread.is_alive()
+        return self._accepting and not self._closed and self._thread.is_alive()
 
     def num_in_flight(self) -> int:
         return len(self._streams)
 
     def prepare_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Validate and tokenize on the caller's side; raises typed errors for 4xx answers."""
+        """Validate and tokenize on the caller's side; raises typed errors for 4xx answers.
+        Blocking (tokenization): the server calls it in a worker thread."""
         params.check_vocab(self.engine.arch.vocab_size)
+        self.engine.compile_structured(params)  # a constraint it cannot enforce is a 400; cached for add
+        self.check_prompt_length_before_tokenizing(prompt)
         ids = self.engine.tokenize_prompt(prompt)
         self.engine.check_prompt_length(len(ids))
         return ids
+
+    def check_prompt_length_before_tokenizing(self, prompt: str | Sequence[int]) -> None:
+        """Reject a prompt known to be too long without tokenizing it: a token-id prompt's
+        length is known; a text's token count is at least its characters over the most
+        characters one token covers (sound for tokenizers that drop no input; see
+        `_longest_token_chars`)."""
+        if not isinstance(prompt, str):
+            self.engine.check_prompt_length(len(prompt))
+            return
+        longest = self._max_token_chars
+        if longest:
+            at_least = -(-len(prompt) // longest)
+            if at_least > self.engine.max_model_len:
+                raise PromptTooLongError(
+                    f"the prompt has at least {at_least} tokens ({len(prompt)} characters), more than "
+                    f"max_model_len={self.engine.max_model_len}",
+                    "prompt",
+                )
+
+    def check_admission(self, n: int, num_prompt_tokens: int = 0) -> None:
+        """Would a request of `n` samples and this many prompt tokens be admitted now? The cheap
+        part of `generate`'s check, for callers to make before tokenizing."""
+        with self._lock:
+            self._admit(n, num_prompt_tokens)
+
+    def _admit(self, n: int, num_prompt_tokens: int) -> None:  # under _lock
+        if self._closed or not self._accepting:
+            if self.dead_error is not None:
+                raise EngineDeadError(f"the engine failed: {self.dead_error!r}")
+            raise EngineDeadError("the server is shutting down")
+        # an empty queue admits anything that fits the model, so every request can progress
+        limit = self.config.max_waiting_requests
+        if limit and self._waiting_samples and self._waiting_samples + n > limit:
+            raise EngineOverloadedError(
+                f"the waiting queue is full ({self._waiting_samples} of {limit} samples waiting); retry later"
+            )
+        limit = self.max_waiting_tokens
+        if limit and self._waiting_tokens and self._waiting_tokens + num_prompt_tokens > limit:
+            raise EngineOverloadedError(
+                f"the waiting queue is full ({self._waiting_tokens} of {limit} prompt tokens waiting); retry later"
+            )
 
     def generate(
         self,
@@ -127,55 +270,67 @@ class AsyncLLMEngine:
     ) -> "RequestStream":
         """Submit one request and return its output stream. Raises at once (before any
         output) when the server is shutting down or the waiting queue is full."""
-        if not self._accepting:
-            raise EngineDeadError("the server is shutting down")
-        limit = self.config.max_waiting_requests
-        if limit and self.engine.num_waiting + len(self._commands) >= limit:
-            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
-        stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
+        stream = _Stream(asyncio.get_running_loop(), params.n, len(prompt_token_ids))
+        with self._lock:  # checked and queued at once: the engine thread applies it or fails it
+            self._admit(params.n, len(prompt_token_ids))
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
             self._streams[request_id] = stream
-        self._submit(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prompt_text))
+            self._waiting_samples += stream.waiting_samples
+            self._waiting_tokens += stream.waiting_tokens
+            self._commands.append(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prompt_text))
+        self._wake.set()
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop accepting; let in-flight requests finish for up to `drain_timeout_s`, abort the rest."""
-        self._accepting = False
+        """Stop accepting; let in-flight requests finish for up to `drain_timeout_s`, abort the rest.
+        A request that has produced nothing yet fails with EngineDeadError (a 503), not an abort."""
+        with self._lock:
+            self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline:
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
         for request_id in list(self._streams):
-            self.abort(request_id)
+            self._submit(("shutdown_abort", request_id))
         self._submit(("stop",))
         self._thread.join(timeout=30)
 
     def _submit(self, command: tuple) -> None:
+        if self._closed:  # nobody would apply it; the thread already ended every request
+            return
         self._commands.append(command)
         self._wake.set()
 
     # ---- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopped:
+        error: BaseException | None = None
+        try:
+            self._loop()
+        except BaseException as exc:  # the engine is dead; see the module docstring
+            error = exc
+            logger.critical("the engine thread failed; the engine is dead", exc_info=exc)
+        finally:
+            self._close(error)
+        if error is not None and self.on_dead is not None:
+            self.on_dead(error)
+
+    def _loop(self) -> None:
+        while True:
             self._apply_commands()
             if self._stopped:
-                break
+                return
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug, not a user error: fail what is in flight, keep serving
-                logger.exception("engine step failed; aborting in-flight requests")
-                self._fail_all(exc)
-                continue
-            for out in outputs:
+            if self.fail_after_steps is not None and self._steps >= self.fail_after_steps:
+                raise RuntimeError(f"injected engine failure after {self._steps} steps ({FAIL_AFTER_STEPS_ENV})")
+            self._steps += 1
+            for out in self.engine.step():
                 self._deliver(out)
 
     def _apply_commands(self) -> None:
@@ -188,30 +343,124 @@ class AsyncLLMEngine:
                     self.engine.add_request(request_id, ids, params, arrival_time=arrival, cache_salt=salt)
                     if text is not None:
                         self.engine.set_prompt_text(request_id, text)
-                except Exception as exc:
+                except KVServeError as exc:  # this request's own fault; the engine is untouched
                     self._deliver_error(request_id, exc)
             elif kind == "abort":
                 out = self.engine.abort_request(command[1])
                 if out is not None:
                     self._deliver(out)
+            elif kind == "shutdown_abort":
+                self._shutdown_abort(command[1])
             elif kind == "stop":
                 self._stopped = True
+
+    def _shutdown_abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.started:  # never served: the server is unavailable
+            self._deliver_error(request_id, EngineDeadError("the server is shutting down; the request was not started"))
+        elif out is not None:
+            self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
             stream = self._streams.get(out.request_id)
+            if stream is None:
+                return
             if out.finished:
-                self._streams.pop(out.request_id, None)
-        if stream is not None and not stream.put(out) and not out.finished:
-            self.engine.abort_request(out.request_id)  # nobody left to read it
+                self._forget(out.request_id)
+            elif stream.waiting_samples:
+                self._note_started(stream, out)
+        stream.started = True
+        if not stream.put(out) and not out.finished:  # nobody left to read it
+            self.engine.abort_request(out.request_id)
+            with self._lock:
+                self._forget(out.request_id)
+
+    def _note_started(self, stream: _Stream, out: RequestOutput) -> None:  # under _lock
+        for c in out.outputs:
+            if stream.unstarted[c.index] and (c.delta_token_ids or c.finished):
+                stream.unstarted[c.index] = False
+                stream.waiting_samples -= 1
+                self._waiting_samples -= 1
+                self._waiting_tokens -= stream.waiting_tokens  # the prefill is done
+                stream.waiting_tokens = 0
+
+    def _forget(self, request_id: str) -> _Stream | None:  # under _lock
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._waiting_samples -= stream.waiting_samples
+            self._waiting_tokens -= stream.waiting_tokens
+            stream.waiting_samples = stream.waiting_tokens = 0
+        return stream
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
-            stream = self._streams.pop(request_id, None)
+            stream = self._forget(request_id)
         if stream is not None:
-            stream.put(exc)
+            stream.fail(exc)
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self._streams):
-            self.engine.abort_request(request_id)
-            self._deliver_error(request_id, EngineDeadError(f"engine step failed: {exc}"))
+    def _close(self, error: BaseException | None) -> None:
+        """The thread's last act: refuse further adds, then end every request still open,
+        including adds queued that will never be applied, so no stream waits forever."""
+        with self._lock:
+            self._closed = True
+            self._accepting = False
+            self.dead_error = error
+            leftover = list(self._commands)
+            self._commands.clear()
+            streams = list(self._streams.items())
+            self._streams.clear()
+            self._waiting_samples = self._waiting_tokens = 0
+        if error is not None:
+            reason = EngineDeadError(f"the engine failed: {error!r}")
+            for _, stream in streams:
+                stream.fail(reason)
+            return
+        # a clean stop: the engine is sound, so requests it holds are aborted and freed
+        not_added = {c[1] for c in leftover if c[0] == "add"}
+        for request_id, stream in streams:
+            out = None if request_id in not_added else self.engine.abort_request(request_id)
+            if out is not None and stream.started:
+                stream.put(out)
+            else:
+                stream.fail(EngineDeadError("the server is shutting down; the request was not started"))
+
+
+def _longest_token_chars(tokenizer) -> int | None:
+    """The most input characters one token can cover, from the vocabulary, or None where that
+    is not a sound bound. Byte-level BPE (each input byte becomes one symbol) and SentencePiece
+    (a space becomes "▁") drop nothing, so a token covers at most as many input characters as
+    its vocabulary string has symbols (a byte-fallback "<0xE2>" covers less). Tokenizers that
+    strip whitespace or normalize text shorter (WordPiece, NFKC, …) get no bound."""
+    import json
+
+    backend = getattr(getattr(tokenizer, "hf", None), "_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        vocab = tokenizer.hf.get_vocab()
+    except Exception:
+        return None
+    if not _drops_nothing(spec.get("normalizer"), {"Prepend", "Replace"}) or not _drops_nothing(
+        spec.get("pre_tokenizer"), {"ByteLevel", "Metaspace", "Split", "Digits"}
+    ):
+        return None
+    return max((len(t) for t in vocab), default=0) or None
+
+
+def _drops_nothing(component: dict | None, allowed: set[str]) -> bool:
+    if component is None:
+        return True
+    kind = component.get("type")
+    if kind == "Sequence":
+        parts = component.get("normalizers") or component.get("pretokenizers") or []
+        return all(_drops_nothing(p, allowed) for p in parts)
+    if kind == "Split" and str(component.get("behavior", "")).lower() == "removed":
+        return False
+    if kind == "Replace":  # a space to "▁" keeps the length; anything else may shorten
+        pattern = component.get("pattern", {})
+        source = pattern.get("String") if isinstance(pattern, dict) else None
+        return source is not None and len(source) == 1 and len(component.get("content", "")) >= 1
+    return kind in allowed

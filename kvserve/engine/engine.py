@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -32,6 +32,9 @@ from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.quantization import resolve_quantization
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.structured.backend import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class LLMEngine:
         for note in loaded.notes:
             logger.info("weights: %s", note)
         self.model_name = loaded.name
+        self.generation_config = loaded.generation_config  # the server's sampling defaults start here
         self.arch = arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
@@ -168,6 +172,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         params.check_vocab(self.arch.vocab_size)
+        grammar = self.compile_structured(params)  # a cache hit when the server compiled it first
         prompt_ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -197,10 +202,21 @@ class LLMEngine:
         )
         self._parents[request_id] = parent
         for child in children:
+            if grammar is not None:  # each sample walks the grammar on its own
+                child.structured = grammar.new_matcher()
             self._children[child.request_id] = parent
             self.scheduler.add_request(child)
         self.counters.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def compile_structured(self, params: SamplingParams) -> "CompiledGrammar | None":
+        """The compiled grammar of a constrained request (LRU-cached), None when unconstrained.
+        Raises InvalidRequestError naming a constraint the grammar library cannot enforce."""
+        if params.structured_outputs is None:
+            return None
+        from kvserve.structured.backend import compile_structured  # llguidance only once needed
+
+        return compile_structured(params.structured_outputs, self.tokenizer, self.arch.vocab_size)
 
     def set_prompt_text(self, request_id: str, text: str) -> None:
         """Record the prompt's text when it was tokenized elsewhere (the server does that)."""
@@ -253,6 +269,10 @@ class LLMEngine:
             counters.finished[req.status.value] += 1
 
     def _emit(self, parent: _Parent) -> RequestOutput:
+        # O(new tokens) per step: the deltas are sliced fresh; the whole output (token ids,
+        # logprobs) is handed over once, on the final output, as the finished requests' own
+        # lists (nothing appends to them any more), never copied each step
+        finished = parent.finished
         outputs = []
         for i, child in enumerate(parent.children):
             detok = child.detokenizer
@@ -263,17 +283,17 @@ class LLMEngine:
                 CompletionOutput(
                     index=i,
                     text=detok.output_text,
-                    token_ids=list(child.output_token_ids),
+                    token_ids=child.output_token_ids if finished else [],
                     cumulative_logprob=child.cumulative_logprob if want_logprobs else None,
-                    logprobs=list(child.logprobs) if want_logprobs else None,
+                    logprobs=(child.logprobs if finished else None) if want_logprobs else None,
                     finish_reason=child.finish_reason,
                     stop_reason=child.stop_reason,
                     delta_text=detok.take_delta(child.is_finished),
                     delta_token_ids=child.output_token_ids[start:],
                     delta_logprobs=child.logprobs[start:] if want_logprobs else None,
+                    num_tokens=child.num_output_tokens,
                 )
             )
-        finished = parent.finished
         if finished:
             del self._parents[parent.request_id]
             for child in parent.children:

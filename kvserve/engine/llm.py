@@ -34,7 +34,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run prompts to completion together (continuous batching); outputs in prompt order.
 
-        `on_output` sees every intermediate output, e.g. to stream text as it comes.
+        `on_output` sees every intermediate output, e.g. to stream text as it comes: read its
+        `delta_*` fields (new since the previous one) and `text`; the whole `token_ids` and
+        `logprobs` come on the final output only (kvserve/outputs.py).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

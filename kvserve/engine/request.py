@@ -23,6 +23,7 @@ from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.engine.detokenizer import IncrementalDetokenizer
+    from kvserve.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -100,7 +101,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = frozenset(eos_token_ids)  # looked up per token (check_stop)
         self.output_token_ids: list[int] = []
         self._all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -126,6 +127,9 @@ class Request:
         else:
             self.generator = None
         self.output_counts: dict[int, int] = {}  # for presence/frequency penalties
+        # its place in the grammar of a constrained request (kvserve/structured), one per sample;
+        # None when unconstrained. The sampler masks with it; the scheduler advances it.
+        self.structured: "GrammarMatcher | None" = None
 
     @property
     def num_tokens(self) -> int:
@@ -184,7 +188,7 @@ def check_stop(request: Request, token: int, stop_string: str | None) -> tuple[R
     if request.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
-        if token in params.stop_token_ids:
+        if token in params.stop_token_id_set:
             return RequestStatus.FINISHED_STOPPED, token
         if stop_string is not None:
             return RequestStatus.FINISHED_STOPPED, stop_string

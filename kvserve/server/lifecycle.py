@@ -9,6 +9,7 @@ step and frees its KV blocks, whether it was streaming or waiting for a whole an
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -17,7 +18,10 @@ from starlette.responses import StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.errors import sse_error
 from kvserve.server.protocol import PromptTokensDetails, Usage
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -97,8 +101,31 @@ def sse(model) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
+async def ended_properly(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, always ending with `[DONE]`: an exception escaping them (an engine failure a
+    route did not catch, a bug in building a chunk) becomes one error event and `[DONE]`,
+    so the client sees an error rather than a cut connection. Cancellation (the client
+    left) is not caught: nobody is there to read an event."""
+    done = False
+    try:
+        async for event in events:
+            done = done or event == SSE_DONE
+            yield event
+    except Exception as exc:
+        if done:
+            raise
+        logger.exception("error inside an event stream; ending it with an error event")
+        yield sse_error(exc)
+        yield SSE_DONE
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 class SSEResponse(StreamingResponse):
-    """Server-sent events that always end the engine request, however the response ends.
+    """Server-sent events that always end the engine request, however the response ends,
+    and always end with `[DONE]` (`ended_properly`), however the events end.
 
     Starlette stops iterating when the client disconnects (cancelling the iterator, or
     an OSError from `send`); an iterator that never started runs no `finally`, so the
@@ -106,8 +133,11 @@ class SSEResponse(StreamingResponse):
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
         super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            ended_properly(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+        self._events = events
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -115,6 +145,7 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            for iterator in (self.body_iterator, self._events):  # the inner one too, if never started
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()

@@ -5,6 +5,12 @@ On SIGTERM or SIGINT, uvicorn stops accepting connections and in-flight requests
 client still gets a proper end (finish_reason "abort", then [DONE]) rather than a cut
 connection; the engine thread stops and the process exits 0. A second SIGINT skips
 the wait.
+
+If the engine thread fails (engine/async_engine.py: a step that raised leaves the engine's
+state unknown, so it is not restarted in place), every open stream has already got an
+error event and [DONE], /health answers 503, new requests get 503, and the server shuts
+down as on SIGTERM and the process exits with status 1, for its supervisor (systemd,
+Kubernetes, a shell loop) to start a clean one.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from kvserve.server.api import build_app
 from kvserve.server.config import ServerConfig
 
 _ABORT_GRACE_S = 5.0
+EXIT_ENGINE_DEAD = 1
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
@@ -29,6 +36,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     try:
         _say(engine.engine.describe())
         app = build_app(engine, server_config)
+        _say(app.state.ctx.sampling_defaults.describe())
         uv_config = uvicorn.Config(
             app,
             host=server_config.host,
@@ -40,6 +48,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
             lifespan="off",
         )
         server = _Server(uv_config, engine, app.state.ctx.model_name, server_config)
+        engine.on_dead = server.engine_died
         # uvicorn re-raises the signal it shut down on into the handler it found; make
         # that one a no-op so a graceful SIGTERM ends in exit status 0, not death by signal
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -47,6 +56,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         server.run()
     finally:
         engine.shutdown(drain_timeout_s=0)  # uvicorn already drained; abort what is left
+    if engine.dead_error is not None:
+        _say(f"stopped: the engine failed ({engine.dead_error!r}); exit status {EXIT_ENGINE_DEAD}")
+        return EXIT_ENGINE_DEAD
     _say("stopped")
     return 0
 
@@ -60,11 +72,16 @@ class _Server(uvicorn.Server):
         self.model_name = model_name
         self.server_config = server_config
 
+    def engine_died(self, error: BaseException) -> None:
+        """From the engine thread, once every open stream has its error: shut down, exit 1."""
+        _say(f"the engine failed ({error!r}); shutting down")
+        self.should_exit = True  # uvicorn's main loop polls it
+
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            auth = "API key required on /v1" if self.server_config.api_key else "no API key"
+            auth = "API key required but on /health, /version and the pages" if self.server_config.api_key else "no API key"
             if not self.server_config.api_key and not _is_loopback(host):
                 _say(f"warning: {host} is reachable from other machines and no --api-key is set")
             _say(f"serving {self.model_name} at {_address(host, port)}/v1 ({auth}); also /health /metrics /tokenize /detokenize")

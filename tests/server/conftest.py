@@ -67,7 +67,7 @@ class ServerProcess:
 
 def metrics(url: str) -> dict[str, float]:
     """/metrics as {'name{label=value,…}': value}, parsed by prometheus_client's own parser."""
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text  # keyed, where a key is set
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -1,5 +1,6 @@
 """Each bad input gets its status and an OpenAI error body naming the field; the API key
-guards /v1 only; oversized bodies get 413 whether or not they declare their length."""
+guards every route but the probes and the playground's pages; oversized bodies get 413
+whether or not they declare their length; bodies must be JSON."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ BAD_INPUTS = {
     "empty prompt": (COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
     "empty token prompt": (COMPLETIONS, {"prompt": []}, 400, "prompt", None),
     "no messages": (CHAT, {"messages": []}, 400, "messages", None),
-    "batch of prompts": (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
-    "echo": (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    "too many prompts": (COMPLETIONS, {"prompt": ["a"] * 257}, 400, "prompt", None),
+    "echo with logprobs": (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
     "prompt over max_model_len": (COMPLETIONS, {"prompt": "hello " * 300}, 400, "prompt", "context_length_exceeded"),
     "messages over max_model_len": (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "messages", "context_length_exceeded"),
     "max_tokens that cannot fit": (COMPLETIONS, {"prompt": "x", "max_tokens": 300}, 400, "max_tokens", "context_length_exceeded"),
@@ -79,8 +80,9 @@ def test_chunked_body_over_the_limit_is_413(http):
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}], ids=["missing", "wrong", "not bearer"])
-def test_v1_needs_the_api_key(server, headers):
-    for method, path in (("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT)):
+def test_routes_need_the_api_key(server, headers):
+    keyed = (("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"))
+    for method, path in keyed:
         response = httpx.request(method, f"{server.url}{path}", headers=headers, json={"prompt": "x"})
         assert response.status_code == 401, (path, response.text)
         assert response.json()["error"]["code"] == "invalid_api_key"
@@ -89,7 +91,24 @@ def test_v1_needs_the_api_key(server, headers):
 
 def test_probes_need_no_key(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/version").status_code == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        response = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert response.status_code == 200, scheme
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_post_bodies_must_be_json(http, content_type):
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = http.post(COMPLETIONS, content=json.dumps({"prompt": "x", "max_tokens": 1}), headers=headers)
+    if content_type is None:  # httpx sends none for raw content
+        assert "content-type" not in response.request.headers
+    assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type"
+    ok = http.post(COMPLETIONS, content=json.dumps({"prompt": "x", "max_tokens": 1}), headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
 
 
 def test_unknown_route_has_an_error_body(http):
