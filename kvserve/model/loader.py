@@ -23,6 +23,7 @@ import torch
 
 from kvserve.errors import ConfigError, ModelLoadError
 from kvserve.model import gguf_loader, gguf_metadata, hf_loader, weight_cache
+from kvserve.model.generation_config import read_generation_config
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.tokenizer import Tokenizer
 
@@ -44,6 +45,8 @@ class LoadedModel:
     from_cache: bool
     quantization: str = "none"  # the resolved mode the weights were loaded in
     notes: list[str] = dataclasses.field(default_factory=list)  # start-up notes on the formats
+    # the sampling settings the model ships (generation_config.json / general.sampling.*)
+    generation_config: dict[str, float | int] = dataclasses.field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -108,6 +111,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, quantizati
         from_cache=from_cache,
         quantization=quantization,
         notes=notes,
+        generation_config=read_generation_config(path),
     )
 
 

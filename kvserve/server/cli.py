@@ -9,6 +9,17 @@ import os
 from kvserve.engine_args import add_engine_args, engine_config_from_args
 
 API_KEY_ENV = "KVSERVE_API_KEY"
+# the per-field sampling defaults; same names as `kvserve generate`'s flags
+_SAMPLING_FLAGS = [
+    ("--temperature", float),
+    ("--top-p", float),
+    ("--top-k", int),
+    ("--min-p", float),
+    ("--repetition-penalty", float),
+    ("--presence-penalty", float),
+    ("--frequency-penalty", float),
+    ("--max-tokens", int),
+]
 
 
 def register(subparsers) -> None:
@@ -21,15 +32,30 @@ def register(subparsers) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (0 = any free port, printed at start)")
-    g.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on /v1 routes (or set {API_KEY_ENV})")
+    g.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on every route but /health, /version and the playground pages (or set {API_KEY_ENV})")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's own name)")
     g.add_argument(
-        "--max-waiting-requests", type=int, default=1024, help="waiting-queue limit; more requests get 429 (0 = unbounded)"
-    )
+        "--max-waiting-requests", type=int, default=1024,
+        help="waiting-queue limit, in samples (a request with n=4 counts 4); more get 429 (0 = unbounded)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-waiting-tokens", type=int, default=None,
+        help="prompt tokens waiting to start; more get 429 (default: 4 KV pools' worth, at least max-model-len; 0 = unbounded)",
+    )  # fmt: skip
     g.add_argument("--max-request-bytes", default="8MiB", help="largest request body; larger ones get 413 (default 8MiB)")
     g.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per request")
+    s = p.add_argument_group("sampling defaults (for fields a request leaves unset; the request's own values always win)")
+    s.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: the model's generation_config.json / GGUF general.sampling.*, else llama.cpp's defaults "
+        "(temperature 0.8, top_k 40, top_p 0.95, min_p 0.05); none: OpenAI's (temperature 1, no filtering)",
+    )
+    for flag, kind in _SAMPLING_FLAGS:
+        s.add_argument(flag, type=kind, default=None, help="default for requests that leave it unset")
     p.set_defaults(func=_serve)
 
 
@@ -46,6 +72,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout,
         access_log=args.access_log,
+        generation_config=args.generation_config,
+        sampling_overrides={flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in _SAMPLING_FLAGS},
     )
-    engine_config = engine_config_from_args(args, max_waiting_requests=args.max_waiting_requests)
+    engine_config = engine_config_from_args(
+        args, max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens
+    )
     return run_server(engine_config, server_config, log_level=args.log_level)

@@ -6,6 +6,7 @@ import dataclasses
 
 from kvserve.config import parse_bytes
 from kvserve.errors import ConfigError
+from kvserve.server.sampling_defaults import GENERATION_CONFIG_MODES, resolve_sampling_defaults
 
 
 @dataclasses.dataclass
@@ -17,6 +18,9 @@ class ServerConfig:
     max_request_bytes: int | str = "8MiB"
     drain_timeout_s: float = 10.0  # on SIGTERM/SIGINT: how long in-flight requests may finish
     access_log: bool = True
+    # what a request's unset sampling fields take (server/sampling_defaults.py)
+    generation_config: str = "auto"  # auto: the model's own, else llama.cpp's; none: OpenAI's
+    sampling_overrides: dict[str, float | int | None] = dataclasses.field(default_factory=dict)  # per-field flags
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -28,5 +32,9 @@ class ServerConfig:
         self.max_request_bytes = parse_bytes("max_request_bytes", self.max_request_bytes)
         if self.max_request_bytes < 1024:
             raise ConfigError("max_request_bytes", f"must be >= 1024 bytes, got {self.max_request_bytes}")
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ConfigError("generation_config", f"must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {self.generation_config!r}")
+        # range-checked now, before the model loads; the model's own values join at start-up
+        resolve_sampling_defaults(self.generation_config, {}, self.sampling_overrides)
         if not self.drain_timeout_s >= 0:
             raise ConfigError("drain_timeout_s", f"must be >= 0 seconds, got {self.drain_timeout_s}")

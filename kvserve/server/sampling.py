@@ -1,8 +1,9 @@
 """From an OpenAI request to `SamplingParams`, and the `max_tokens` that fits the context.
 
-Defaults are OpenAI's (temperature 1.0, top_p 1.0), not the CLI's greedy ones. Range
-checks stay in `SamplingParams`, which names the field in its error; this module only
-adds what depends on the prompt: the room left in `max_model_len`.
+A field the request leaves unset takes the server's default (server/sampling_defaults.py:
+a flag, the model's own generation config, or llama.cpp's defaults). Range checks stay in
+`SamplingParams`, which names the field in its error; this module only adds what depends
+on the prompt: the room left in `max_model_len`.
 """
 
 from __future__ import annotations
@@ -12,23 +13,31 @@ import dataclasses
 from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.protocol import SamplingRequest
+from kvserve.server.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
+
+_OPENAI = resolve_sampling_defaults("none", {}, {})
 
 
 def sampling_params(
-    request: SamplingRequest, logprobs: int | None, max_tokens: int | None, max_tokens_field: str = "max_tokens"
+    request: SamplingRequest,
+    logprobs: int | None,
+    max_tokens: int | None,
+    max_tokens_field: str = "max_tokens",
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
     """`max_tokens` is range-checked here; `fit_max_tokens` settles it once the prompt is known."""
+    d = defaults or _OPENAI
     try:
         return SamplingParams(
             n=request.n,
-            temperature=_or(request.temperature, 1.0),
-            top_p=_or(request.top_p, 1.0),
-            top_k=_or(request.top_k, 0),
-            min_p=_or(request.min_p, 0.0),
+            temperature=d.get("temperature", request.temperature),
+            top_p=d.get("top_p", request.top_p),
+            top_k=d.get("top_k", request.top_k),
+            min_p=d.get("min_p", request.min_p),
             seed=request.seed,
-            presence_penalty=_or(request.presence_penalty, 0.0),
-            frequency_penalty=_or(request.frequency_penalty, 0.0),
-            repetition_penalty=_or(request.repetition_penalty, 1.0),
+            presence_penalty=d.get("presence_penalty", request.presence_penalty),
+            frequency_penalty=d.get("frequency_penalty", request.frequency_penalty),
+            repetition_penalty=d.get("repetition_penalty", request.repetition_penalty),
             logit_bias=_logit_bias(request.logit_bias),
             logprobs=logprobs,
             max_tokens=max_tokens,
@@ -51,10 +60,14 @@ def fit_max_tokens(
     max_model_len: int,
     max_tokens_field: str = "max_tokens",
     prompt_field: str = "prompt",
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
-    """Prompt + max_tokens must fit `max_model_len`; an absent max_tokens takes all the room left."""
+    """Prompt + max_tokens must fit `max_model_len`; an absent max_tokens takes all the room
+    left, or the server's default (the model's max_new_tokens, a flag) where that is less."""
     room = max_model_len - num_prompt_tokens
     if params.max_tokens is None:
+        if default_max_tokens is not None and 1 <= room:
+            return dataclasses.replace(params, max_tokens=min(room, default_max_tokens))
         if room < 1:
             raise PromptTooLongError(
                 f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
@@ -72,10 +85,6 @@ def fit_max_tokens(
             max_tokens_field,
         )
     return params
-
-
-def _or(value, default):
-    return default if value is None else value
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

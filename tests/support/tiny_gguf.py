@@ -28,7 +28,10 @@ _NAMES = {
 }
 
 
-def write_gguf(hf_dir: Path, out: Path, architecture: str = "llama", quant_type: str | None = None) -> Path:
+def write_gguf(
+    hf_dir: Path, out: Path, architecture: str = "llama", quant_type: str | None = None, metadata: dict | None = None
+) -> Path:
+    """`metadata`: extra keys, int -> int32, float -> float32 (e.g. general.sampling.*)."""
     import gguf
 
     def add(name: str, t: np.ndarray) -> None:
@@ -68,6 +71,8 @@ def write_gguf(hf_dir: Path, out: Path, architecture: str = "llama", quant_type:
     w.add_bos_token_id(config["bos_token_id"])
     w.add_eos_token_id(config["eos_token_id"])
     w.add_chat_template((hf_dir / "chat_template.jinja").read_text())
+    for key, value in (metadata or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
 
     add("token_embd.weight", weights["model.embed_tokens.weight"])
     add("output_norm.weight", weights["model.norm.weight"])
