@@ -1,7 +1,14 @@
-"""POST /v1/completions: one prompt (text or token ids), n samples, streamed or whole."""
+"""POST /v1/completions: one prompt or several (text or token ids), n samples each, streamed
+or whole, with `echo` repeating each prompt before its completion.
+
+Several prompts are several engine requests, run together; choice `index` is
+`prompt_index * n + sample_index`, as in OpenAI's and vLLM's answers, and usage is summed.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 
 from fastapi.responses import JSONResponse
@@ -9,87 +16,169 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvserve.engine.async_engine import RequestStream
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.context import ServingContext
 from kvserve.server.errors import sse_error, unsupported
-from kvserve.server.lifecycle import (
-    SSE_DONE,
-    SSEResponse,
-    fresh_outputs,
-    last_output,
-    outputs_from,
-    sse,
-    unless_disconnected,
-    usage_of,
-)
+from kvserve.server.lifecycle import SSE_DONE, SSEResponse, fresh_outputs, last_output, sse, unless_disconnected
 from kvserve.server.logprobs import completion_logprobs
-from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage
 from kvserve.server.sampling import sampling_params
+from kvserve.server.structured import structured_outputs_of
+
+# OpenAI's legacy completions default, used when neither the request nor the server sets one
+_DEFAULT_MAX_TOKENS = 16
+
+
+class _Prompt:
+    """One prompt of the request: its engine stream, and what echo repeats of it."""
+
+    def __init__(self, index: int, request_id: str, stream: RequestStream, echo_text: str):
+        self.index = index
+        self.request_id = request_id
+        self.stream = stream
+        self.echo_text = echo_text
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(request.model)
     _reject_unsupported(request)
-    prompt = _single_prompt(request.prompt)
-    params = sampling_params(request, logprobs=request.logprobs, max_tokens=request.max_tokens)
-    request_id, stream = ctx.start(
-        prompt, params, "cmpl", prompt_text=prompt if isinstance(prompt, str) else None, cache_salt=request.cache_salt
-    )
+    prompts = _prompts(request.prompt)
+    max_tokens = request.max_tokens
+    if max_tokens is None and "max_tokens" not in ctx.sampling_defaults.values:
+        max_tokens = _DEFAULT_MAX_TOKENS
+    params = sampling_params(request, logprobs=request.logprobs, max_tokens=max_tokens, defaults=ctx.sampling_defaults)
+    params = dataclasses.replace(params, structured_outputs=structured_outputs_of(request))
+    running = await _start_all(ctx, request, prompts, params)
     created = int(time.time())
+    request_id = running[0].request_id
+    close_all = lambda: [p.stream.close() for p in running]  # noqa: E731
     try:
         if request.stream:
-            first = await unless_disconnected(anext(stream), raw)
-            return SSEResponse(_events(ctx, request, request_id, created, first, stream), on_close=stream.close)
-        final = await unless_disconnected(last_output(stream), raw)
+            # the first output of each prompt is awaited here, so an error before any token
+            # (engine dead, rejected at admission) is still an HTTP error, not an SSE event
+            firsts = await unless_disconnected(asyncio.gather(*(anext(p.stream) for p in running)), raw)
+            return SSEResponse(_events(ctx, request, request_id, created, running, firsts), on_close=close_all)
+        finals = await unless_disconnected(asyncio.gather(*(last_output(p.stream) for p in running)), raw)
     except BaseException:
-        stream.close()
+        close_all()
         raise
-    ctx.metrics.observe_finished(final)
-    offsets = [0] * len(final.outputs)
-    choices = [_choice(ctx, request, c, c.text, c.token_ids, c.logprobs, offsets) for c in final.outputs]
-    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage_of(final))
+    choices = []
+    for prompt, final in zip(running, finals):
+        ctx.metrics.observe_finished(final)
+        offsets = [0] * len(final.outputs)
+        for c in final.outputs:
+            text = prompt.echo_text + c.text
+            choices.append(_choice(ctx, request, prompt, c, text, c.token_ids, c.logprobs, offsets))
+    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=_usage(finals))
     return JSONResponse(body.model_dump(mode="json"))
 
 
-async def _events(ctx: ServingContext, request: CompletionRequest, request_id: str, created: int, first: RequestOutput, stream: RequestStream):
-    offsets = [0] * request.n  # characters already sent per choice: logprobs' text_offset
-    finished: set[int] = set()
+async def _start_all(ctx: ServingContext, request: CompletionRequest, prompts: list, params) -> list[_Prompt]:
+    """Submit every prompt, or none: a prompt that fails validation closes those already started."""
+    running: list[_Prompt] = []
     try:
-        last = first
-        async for out in outputs_from(first, stream):
-            last = out
-            for c in fresh_outputs(out, finished):
-                choice = _choice(ctx, request, c, c.delta_text, c.delta_token_ids, c.delta_logprobs, offsets)
-                yield sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[choice]))
-        ctx.metrics.observe_finished(last)
+        for i, prompt in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            request_id, stream = await ctx.start(
+                prompt, params, "cmpl", prompt_text=prompt if isinstance(prompt, str) else None,
+                cache_salt=request.cache_salt, prompt_field=field,
+            )  # fmt: skip
+            echo = ""
+            if request.echo:
+                echo = prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+            running.append(_Prompt(i, request_id, stream, echo))
+    except BaseException:
+        for p in running:
+            p.stream.close()
+        raise
+    return running
+
+
+async def _events(
+    ctx: ServingContext, request: CompletionRequest, request_id: str, created: int, running: list[_Prompt], firsts: list[RequestOutput]
+):
+    """Every prompt's chunks as they come, interleaved; one [DONE] after the last."""
+    n = request.n
+    offsets = [0] * (n * len(running))  # characters already sent per choice: logprobs' text_offset
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(prompt: _Prompt, first: RequestOutput) -> None:
+        try:
+            await queue.put((prompt, first))
+            if not first.finished:
+                async for out in prompt.stream:
+                    await queue.put((prompt, out))
+        except BaseException as exc:  # delivered to the consumer, which ends the stream with it
+            await queue.put((prompt, exc))
+
+    def chunk(choices, usage=None) -> str:
+        return sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage))
+
+    pumps = [asyncio.ensure_future(pump(p, f)) for p, f in zip(running, firsts)]
+    try:
+        if request.echo:  # each choice starts with its prompt, as vLLM streams it
+            yield chunk([CompletionChoice(index=p.index * n + j, text=p.echo_text) for p in running for j in range(n)])
+        finished: list[set[int]] = [set() for _ in running]
+        lasts: list[RequestOutput | None] = [None] * len(running)
+        while any(last is None or not last.finished for last in lasts):
+            prompt, out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            lasts[prompt.index] = out
+            fresh = fresh_outputs(out, finished[prompt.index])
+            if fresh:
+                yield chunk([_choice(ctx, request, prompt, c, c.delta_text, c.delta_token_ids, c.delta_logprobs, offsets) for c in fresh])
+            if out.finished:
+                ctx.metrics.observe_finished(out)
         if request.include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage_of(last)))
+            yield chunk([], usage=_usage(lasts))
     except KVServeError as exc:
         yield sse_error(exc)
+    finally:
+        for task in pumps:
+            task.cancel()
     yield SSE_DONE
 
 
-def _choice(ctx, request: CompletionRequest, c: CompletionOutput, text: str, token_ids, logprobs, offsets: list[int]) -> CompletionChoice:
+def _choice(
+    ctx, request: CompletionRequest, prompt: _Prompt, c: CompletionOutput, text: str, token_ids, logprobs, offsets: list[int]
+) -> CompletionChoice:
+    index = prompt.index * request.n + c.index
     lp = None
     if request.logprobs is not None and logprobs is not None:
-        lp, offsets[c.index] = completion_logprobs(token_ids, logprobs, request.logprobs, ctx.token_texts, offsets[c.index])
-    return CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        lp, offsets[index] = completion_logprobs(token_ids, logprobs, request.logprobs, ctx.token_texts, offsets[index])
+    return CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _usage(outputs: list[RequestOutput]) -> Usage:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(o.num_generated_tokens for o in outputs)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)),
+    )
 
 
 def _reject_unsupported(request: CompletionRequest) -> None:
-    if request.echo:
-        raise unsupported("echo", "echo is not supported; the prompt is not repeated in the answer")
+    if request.echo and request.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, which kvserve does not compute yet")
     if request.suffix:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     if request.best_of is not None and request.best_of != request.n:
         raise unsupported("best_of", f"best_of must equal n ({request.n}) when given; ranking samples is not supported")
 
 
-def _single_prompt(prompt) -> str | list[int]:
-    """Text, token ids, or a batch of exactly one of those."""
+# one request's prompts at most: each is its own engine request, and admission counts them all
+MAX_PROMPTS = 256
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """Text, token ids, a list of texts, or a list of token-id lists."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return prompt
-    if len(prompt) != 1:
-        raise unsupported("prompt", f"a batch of {len(prompt)} prompts is not supported; send one prompt per request")
-    return prompt[0]
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+    return list(prompt)

@@ -23,6 +23,12 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    type: str  # "text" | "json_object" | "json_schema"
+    # {"name", "schema", "strict", "description"}; its shape is checked in server/structured.py
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingRequest(_Request):
     """Fields both generation endpoints share."""
 
@@ -49,6 +55,15 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs extra
+    # ({"json" | "regex" | "choice" | "grammar" | "json_object": …}) and its older guided_*
+    # fields; server/structured.py turns them into the one constraint a request may carry
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -56,9 +71,9 @@ class SamplingRequest(_Request):
 
 
 class CompletionRequest(SamplingRequest):
-    # one prompt: text, token ids, or a batch of exactly one of those
+    # one prompt (text or token ids), or several: a list of texts or of token-id lists
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for the legacy completions API
+    max_tokens: int | None = None  # unset: the server's default, else OpenAI's 16 (completions.py)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -70,19 +85,36 @@ class ChatMessage(_Request):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # an assistant turn's calls ([{"id", "type": "function", "function": {"name", "arguments"}}])
+    # and a tool turn's answer to one of them
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: str
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: str  # only "function"; checked in server/tools.py for a clear error
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # capped so one body cannot make the template render (and the server hold) a huge
+    # conversation; 2048 is far past any real chat, the body limit bounds their sizes
+    messages: list[ChatMessage] = Field(min_length=1, max_length=2048)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": …}}; checked in
+    # server/tools.py, which names what is wrong better than a union's errors would
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -157,9 +189,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_tool_calls(self, handler):
+        # "content" is always there (null beside tool calls); "tool_calls" only when there are some
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -179,9 +231,37 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
+def _drop_nulls(handler, model) -> dict:
+    return {k: v for k, v in handler(model).items() if v is not None}
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return _drop_nulls(handler, self)
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has id, type and function.name (arguments ""); later ones only
+    index and function.arguments, a fragment to append."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return _drop_nulls(handler, self)
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler):
@@ -212,6 +292,8 @@ class ModelCard(_Response):
     owned_by: str = "kvserve"
     root: str | None = None
     max_model_len: int | None = None
+    # kvserve extra: what a request's unset sampling fields take (server/sampling_defaults.py)
+    sampling_defaults: dict[str, float | int] | None = None
 
 
 class ModelList(BaseModel):

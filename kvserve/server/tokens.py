@@ -1,4 +1,5 @@
-"""POST /tokenize and /detokenize (vLLM's shapes): the model's tokenizer over HTTP."""
+"""POST /tokenize and /detokenize (vLLM's shapes): the model's tokenizer over HTTP.
+Both run in a worker thread (api.py), never on the event loop."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.server.chat import conversation
 from kvserve.server.context import ServingContext
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from kvserve.server.tools import template_reads_tools
 
 
 def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict:
@@ -14,7 +16,9 @@ def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict:
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
     if request.messages is not None:
-        text = tokenizer.apply_chat_template(conversation(request.messages), add_generation_prompt=request.add_generation_prompt)
+        # tool history rendered as the chat route renders it for this template
+        messages = conversation(request.messages, native_tools=template_reads_tools(tokenizer.chat_template))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)

@@ -78,9 +78,10 @@ def test_unknown_fields_are_ignored():
     assert _completion(some_future_field=1).prompt == "x"
 
 
-def test_completions_default_to_16_tokens_chat_to_the_room_left():
+def test_max_tokens_unset_stays_unset_for_the_server_default():
     from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
-    assert CompletionRequest.model_validate({"prompt": "hi"}).max_tokens == 16
+    # completions.py turns an unset max_tokens into the server's default, else OpenAI's 16
+    assert CompletionRequest.model_validate({"prompt": "hi"}).max_tokens is None
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     assert chat.max_tokens is None and chat.max_completion_tokens is None
