@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvserve-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve chat test bench clean
+.PHONY: install serve chat test browser bench clean
 
 install: $(STAMP)
 
@@ -27,8 +27,21 @@ serve: install
 chat: install
 	$(BIN)/kvserve chat $(ARGS)
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Debian's Chromium and chromedriver for the playground's browser tests. Installed only
+# when missing, with apt-get, as root; never fails the build: without them those tests skip.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && test -x /usr/bin/chromedriver; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "browser: no chromium and no apt-get to install it; the browser tests will skip"; \
+	elif [ "$$(id -u)" != 0 ]; then echo "browser: no chromium, and installing it needs root (apt-get install chromium chromium-driver); the browser tests will skip"; \
+	else echo "browser: installing chromium and chromium-driver with apt-get"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q chromium chromium-driver >$${TMPDIR:-/tmp}/kvserve-apt-browser.log 2>&1 \
+	  || { apt-get update -q >>$${TMPDIR:-/tmp}/kvserve-apt-browser.log 2>&1 && apt-get install -y -q chromium chromium-driver >>$${TMPDIR:-/tmp}/kvserve-apt-browser.log 2>&1; } \
+	  || { tail -n 5 $${TMPDIR:-/tmp}/kvserve-apt-browser.log; echo "browser: apt-get could not install chromium (log: $${TMPDIR:-/tmp}/kvserve-apt-browser.log); the browser tests will skip"; }; \
+	fi
 
 bench: install
 	$(BIN)/kvserve bench latency $(ARGS)

@@ -7,6 +7,7 @@ drive it in-process.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,7 +24,8 @@ from kvserve.server.context import ServingContext
 from kvserve.server.errors import error_body, install_error_handlers
 from kvserve.server.lifecycle import ClientDisconnected
 from kvserve.server.metrics import CONTENT_TYPE
-from kvserve.server.middleware import APIKeyAuth, MaxBodySize
+from kvserve.server.middleware import APIKeyAuth, JSONBodiesOnly, MaxBodySize
+from kvserve.server.playground import install_playground
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,7 +57,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     async def _gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
 
-    # the last added runs first: the key is checked before a byte of the body is read
+    # the last added runs first: the key, then the size, then the type, before a byte of the body is read
+    app.add_middleware(JSONBodiesOnly)
     app.add_middleware(MaxBodySize, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(APIKeyAuth, api_key=config.api_key)
@@ -79,11 +82,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
 
     @app.post("/tokenize")
     async def tokenize_route(raw: Request) -> dict:
-        return tokenize(ctx, await _parse(raw, TokenizeRequest))
+        # tokenizing (or rendering a template) is CPU work: off the event loop, as generation's is
+        return await asyncio.to_thread(tokenize, ctx, await _parse(raw, TokenizeRequest))
 
     @app.post("/detokenize")
     async def detokenize_route(raw: Request) -> dict:
-        return detokenize(ctx, await _parse(raw, DetokenizeRequest))
+        return await asyncio.to_thread(detokenize, ctx, await _parse(raw, DetokenizeRequest))
 
     @app.get("/health")
     async def health() -> Response:
@@ -99,9 +103,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     async def version() -> dict:
         return {"version": __version__}
 
+    install_playground(app, ctx)  # GET / and /playground/*: the web pages; their data routes under /v1
     return app
 
 
 def _model_card(ctx: ServingContext) -> ModelCard:
-    return ModelCard(id=ctx.model_name, root=ctx.engine.engine.model_name, max_model_len=ctx.max_model_len)
+    return ModelCard(
+        id=ctx.model_name, root=ctx.engine.engine.model_name, max_model_len=ctx.max_model_len, sampling_defaults=ctx.sampling_defaults.values
+    )
 
