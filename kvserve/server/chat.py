@@ -62,6 +62,8 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     )
     if constraint is not None:
         params = dataclasses.replace(params, structured_outputs=constraint)
+    # admission before the template's work: a full queue answers 429 without rendering anything
+    ctx.engine.check_admission(params.n)
     text, ids = await asyncio.to_thread(_render_prompt, ctx.engine.tokenizer, request, tools, template_kwargs)
     request_id, stream = await ctx.start(
         ids, params, "chatcmpl", prompt_text=text, cache_salt=request.cache_salt, prompt_field="messages", max_tokens_field=max_tokens_field
