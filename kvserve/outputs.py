@@ -47,6 +47,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     timings: list[RequestTiming] = dataclasses.field(default_factory=list)  # one per sample
+    # per prompt token from the second on (SamplingParams.prompt_logprobs): the token's
+    # logprob and the top-k; on the first and the final output only
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -74,6 +77,7 @@ class RequestOutput:
             mine.stop_reason = new.stop_reason
             mine.num_tokens = new.num_tokens
         self.prompt = newer.prompt
+        self.prompt_logprobs = self.prompt_logprobs or newer.prompt_logprobs
         self.finished = newer.finished
         self.num_cached_tokens = newer.num_cached_tokens
         self.timings = newer.timings

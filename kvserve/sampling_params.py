@@ -37,6 +37,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top-n alternatives per sampled token (plus the sampled one)
+    # the same for each prompt token after the first (vLLM's prompt_logprobs): what the model
+    # gave it, from the positions before it; such a request skips the prefix cache
+    prompt_logprobs: int | None = None
     max_tokens: int | None = 16  # None = up to max_model_len
     min_tokens: int = 0
     stop: Sequence[str] | str | None = None
@@ -84,6 +87,8 @@ class SamplingParams:
             _int_in("seed", self.seed, -(2**63), 2**63 - 1)
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.max_tokens is not None:
             _int_in("max_tokens", self.max_tokens, 1, 2**31 - 1)
         _int_in("min_tokens", self.min_tokens, 0, 2**31 - 1)

@@ -255,6 +255,7 @@ class LLMEngine:
             logits = self.runner.execute(batch)
             sampled = self.sampler(logits, sampling) if sampling else None
         update = self.scheduler.update_from_output(plan, sampled)
+        self.scheduler.record_prompt_logprobs(batch.prompt_logprobs)
         self._count(plan, update)
         # one output per user request that got a token (its n samples together)
         touched = {p.request_id: p for p in (self._children[r.request_id] for r in update.sampled)}
@@ -273,6 +274,7 @@ class LLMEngine:
         # logprobs) is handed over once, on the final output, as the finished requests' own
         # lists (nothing appends to them any more), never copied each step
         finished = parent.finished
+        first = not any(parent.sent_tokens)
         outputs = []
         for i, child in enumerate(parent.children):
             detok = child.detokenizer
@@ -298,6 +300,7 @@ class LLMEngine:
             del self._parents[parent.request_id]
             for child in parent.children:
                 self._children.pop(child.request_id, None)
+        lead = parent.children[0]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -306,6 +309,9 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=parent.children[0].num_cached_tokens,
             timings=[c.timing for c in parent.children],
+            # complete once the first token is out (the prompt is computed by then); handed
+            # over on the first output and the final one, uncopied
+            prompt_logprobs=lead.prompt_logprobs if lead.sampling_params.prompt_logprobs is not None and (first or finished) else None,
         )
 
     # ---- introspection -------------------------------------------------------------------

@@ -39,7 +39,7 @@ class KVCacheManager:
 
         The last token is never taken from the cache: its logits are needed to sample.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -15,11 +15,15 @@ from typing import Callable
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
+from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# prompt logprobs: LM-head rows per call (fp32 logits of 256 x a 128k vocabulary: 128 MiB)
+_PROMPT_LOGITS_ROWS = 256
 
 
 @dataclasses.dataclass
@@ -59,6 +63,11 @@ class StepBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sampling: list[ScheduledRequest]  # in the order of logits_indices (the scheduler output's `sampling`)
+    # requests computing their prompt's logprobs: (request, first row, how many rows); row r
+    # scores prompt token len(request.prompt_logprobs) + 1 + (r - first row)
+    prompt_rows: list[tuple[Request, int, int]] = dataclasses.field(default_factory=list)
+    # filled by the forward pass: (request, one entry per row of prompt_rows)
+    prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -93,10 +102,19 @@ class ModelRunner:
         slot_mapping: list[int] = []
         last_row: dict[str, int] = {}  # request id -> its last row in the flat batch
         prefills: list[PrefillSegment] = []
+        prompt_rows: list[tuple[Request, int, int]] = []
         for s in ordered:
             req, start, m = s.request, s.request.num_computed_tokens, s.num_new_tokens
             table = block_tables[req.request_id]
             query_start = len(input_ids)
+            if req.wants_prompt_logprobs:
+                # position p scores prompt token p + 1; those scored already (before a
+                # preemption) are not scored again. No position of such a request comes from
+                # the prefix cache, so its chunks start at or before the first unscored one.
+                first = max(start, len(req.prompt_logprobs))
+                end = min(start + m, req.num_prompt_tokens - 1)
+                if end > first:
+                    prompt_rows.append((req, query_start + first - start, end - first))
             input_ids.extend(req.all_token_ids[start : start + m])
             positions.extend(range(start, start + m))
             if m == 1:
@@ -147,12 +165,41 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             sampling=sampling,
+            prompt_rows=prompt_rows,
         )
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if batch.prompt_rows:
+            batch.prompt_logprobs = [
+                (req, self._prompt_logprobs(hidden, req, row, count)) for req, row, count in batch.prompt_rows
+            ]
+        return hidden
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, row: int, count: int) -> list[dict[int, float]]:
+        """Each row's logprob of the prompt token it predicts, plus the top-k (raw distribution,
+        fp32), the LM head run over a few hundred rows at a time to bound the logits' memory."""
+        k = req.sampling_params.prompt_logprobs
+        first_token = len(req.prompt_logprobs) + 1
+        entries: list[dict[int, float]] = []
+        for lo in range(0, count, _PROMPT_LOGITS_ROWS):
+            n = min(_PROMPT_LOGITS_ROWS, count - lo)
+            logprobs = self.model.compute_logits(hidden[row + lo : row + lo + n]).float().log_softmax(dim=-1).cpu()
+            targets = req.prompt_token_ids[first_token + lo : first_token + lo + n]
+            chosen = logprobs.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1).tolist()
+            top = logprobs.topk(k, dim=-1) if k else None
+            for i, (token, lp) in enumerate(zip(targets, chosen)):
+                entry = {token: lp}
+                if top is not None:
+                    for t, v in zip(top.indices[i].tolist(), top.values[i].tolist()):
+                        entry.setdefault(t, v)
+                entries.append(entry)
+        return entries
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """One forward pass; returns logits [R, V] (model dtype) for the sampling rows, on the CPU."""
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._forward(batch)
         if not batch.sampling:
             return torch.empty((0, self.model.arch.vocab_size))
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).cpu()
@@ -161,5 +208,5 @@ class ModelRunner:
         """One forward pass; the greedy token of each sampling row. The LM head takes the
         argmax as it computes where it can, writing no logits; elsewhere `argmax` (the
         sampler's) takes it from the logits, so both ways give the same tokens."""
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._forward(batch)
         return self.model.greedy_tokens(hidden.index_select(0, batch.logits_indices), argmax).tolist()

@@ -121,6 +121,8 @@ class Request:
         self.detokenizer = detokenizer
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        # per prompt token from the second on, when asked for (sample 0 of n computes them)
+        self.prompt_logprobs: list[dict[int, float]] = []
         seed = sampling_params.seed
         if seed is not None:
             self.generator: torch.Generator | None = torch.Generator().manual_seed((seed + sample_index) % 2**63)
@@ -146,6 +148,16 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to be computed: they need every prompt position's
+        logits, so no position may come from the prefix cache."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.leader is None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -73,7 +73,10 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     if bool((top_k > 0).all()) and int(top_k.max()) <= min(_TOPK_LIMIT, vocab - 1):
         candidates, order = logits.topk(int(top_k.max()), dim=-1)  # sorted, descending
         kept = candidates.masked_fill(_outside_top_k_top_p(candidates, top_k, top_p), float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+        best = logits.argmax(dim=-1, keepdim=True)  # ties to the lowest index, as greedy picks
+        filtered = torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+        # topk breaks a tie at the top arbitrarily: the greedy token must survive whatever it chose
+        logits = filtered.scatter(1, best, logits.gather(1, best))
     elif bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         kept = sorted_logits.masked_fill(_outside_top_k_top_p(sorted_logits, top_k, top_p), float("-inf"))

@@ -175,6 +175,11 @@ class Scheduler:
                 finished.append(request)
         return StepUpdate(sampled, finished)
 
+    def record_prompt_logprobs(self, scored: list[tuple[Request, list[dict[int, float]]]]) -> None:
+        """The prompt logprobs a step computed (ModelRunner), in prompt order."""
+        for request, entries in scored:
+            request.prompt_logprobs.extend(entries)
+
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV, keep its tokens, resume it first."""
         self.kv_cache.free(request)

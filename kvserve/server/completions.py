@@ -22,7 +22,14 @@ from kvserve.server.context import ServingContext
 from kvserve.server.errors import sse_error, unsupported
 from kvserve.server.lifecycle import SSE_DONE, SSEResponse, fresh_outputs, last_output, sse, unless_disconnected
 from kvserve.server.logprobs import completion_logprobs
-from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage
+from kvserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
 from kvserve.server.sampling import sampling_params
 from kvserve.server.structured import structured_outputs_of
 
@@ -39,6 +46,19 @@ class _Prompt:
         self.stream = stream
         self.echo_text = echo_text
 
+    def echo_logprobs(self, ctx: ServingContext, out: RequestOutput, num_top: int) -> tuple[CompletionLogprobs, int]:
+        """The prompt's part of an echoed choice's logprobs (the first token has none, as in
+        OpenAI's answers), and the text offset after it."""
+        ids = out.prompt_token_ids
+        scored = [None, *(out.prompt_logprobs or [])]
+        result, offset = completion_logprobs(ids[1:], scored[1:], num_top, ctx.token_texts, len(ctx.token_texts(ids[0])))
+        first = ctx.token_texts(ids[0])
+        result.tokens.insert(0, first)
+        result.token_logprobs.insert(0, None)
+        result.top_logprobs.insert(0, None)
+        result.text_offset.insert(0, 0)
+        return result, offset
+
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(request.model)
@@ -48,7 +68,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     if max_tokens is None and "max_tokens" not in ctx.sampling_defaults.values:
         max_tokens = _DEFAULT_MAX_TOKENS
     params = sampling_params(request, logprobs=request.logprobs, max_tokens=max_tokens, defaults=ctx.sampling_defaults)
-    params = dataclasses.replace(params, structured_outputs=structured_outputs_of(request))
+    # echo with logprobs scores the prompt too (lm-eval's loglikelihood requests)
+    prompt_logprobs = request.logprobs if request.echo else None
+    params = dataclasses.replace(params, structured_outputs=structured_outputs_of(request), prompt_logprobs=prompt_logprobs)
     running = await _start_all(ctx, request, prompts, params)
     created = int(time.time())
     request_id = running[0].request_id
@@ -64,12 +86,14 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         close_all()
         raise
     choices = []
+    offsets = [0] * (request.n * len(running))
     for prompt, final in zip(running, finals):
         ctx.metrics.observe_finished(final)
-        offsets = [0] * len(final.outputs)
         for c in final.outputs:
             text = prompt.echo_text + c.text
-            choices.append(_choice(ctx, request, prompt, c, text, c.token_ids, c.logprobs, offsets))
+            echoed = _echoed_logprobs(ctx, request, prompt, final, offsets, c.index)
+            choice = _choice(ctx, request, prompt, c, text, c.token_ids, c.logprobs, offsets)
+            choices.append(_with_echoed(choice, echoed))
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=_usage(finals))
     return JSONResponse(body.model_dump(mode="json"))
 
@@ -117,8 +141,14 @@ async def _events(
 
     pumps = [asyncio.ensure_future(pump(p, f)) for p, f in zip(running, firsts)]
     try:
-        if request.echo:  # each choice starts with its prompt, as vLLM streams it
-            yield chunk([CompletionChoice(index=p.index * n + j, text=p.echo_text) for p in running for j in range(n)])
+        if request.echo:  # each choice starts with its prompt (and its logprobs), as vLLM streams it
+            yield chunk(
+                [
+                    CompletionChoice(index=p.index * n + j, text=p.echo_text, logprobs=_echoed_logprobs(ctx, request, p, f, offsets, j))
+                    for p, f in zip(running, firsts)
+                    for j in range(n)
+                ]
+            )
         finished: list[set[int]] = [set() for _ in running]
         lasts: list[RequestOutput | None] = [None] * len(running)
         while any(last is None or not last.finished for last in lasts):
@@ -151,6 +181,26 @@ def _choice(
     return CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
 
+def _echoed_logprobs(ctx, request: CompletionRequest, prompt: _Prompt, out: RequestOutput, offsets: list[int], sample: int):
+    """With echo and logprobs, the prompt's logprobs for one choice (and its text offset
+    moved past the prompt); else None."""
+    if not request.echo or request.logprobs is None:
+        return None
+    result, offsets[prompt.index * request.n + sample] = prompt.echo_logprobs(ctx, out, request.logprobs)
+    return result
+
+
+def _with_echoed(choice: CompletionChoice, echoed: CompletionLogprobs | None) -> CompletionChoice:
+    """A whole answer's choice with the prompt's logprobs in front of the completion's."""
+    if echoed is None:
+        return choice
+    if choice.logprobs is not None:
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(echoed, field).extend(getattr(choice.logprobs, field))
+    choice.logprobs = echoed
+    return choice
+
+
 def _usage(outputs: list[RequestOutput]) -> Usage:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     completion_tokens = sum(o.num_generated_tokens for o in outputs)
@@ -163,8 +213,6 @@ def _usage(outputs: list[RequestOutput]) -> Usage:
 
 
 def _reject_unsupported(request: CompletionRequest) -> None:
-    if request.echo and request.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, which kvserve does not compute yet")
     if request.suffix:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     if request.best_of is not None and request.best_of != request.n:

@@ -77,10 +77,30 @@ def test_one_bad_prompt_rejects_the_request(http, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
 
 
-@pytest.mark.parametrize("body", [{"prompt": "x", "echo": True, "logprobs": 1}])
-def test_echo_with_logprobs_is_refused_by_name(http, body):
-    r = http.post("/v1/completions", json={**body, "max_tokens": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+def test_echo_with_logprobs_scores_the_prompt(client, http, server, tiny_llama):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 1. The prompt's logprobs are
+    the engine's prompt_logprobs (tested against transformers in tests/engine)."""
+    from kvserve import LLM, SamplingParams
+
+    ids = http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
+    echoed = client.completions.create(
+        model=server.model_name, prompt=ids, max_tokens=1, temperature=0, logprobs=2, echo=True, extra_body=EXACT
+    )
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset)
+    offline = LLM(tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    ref = offline.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e[t] for e, t in zip(ref, ids[1:])], abs=1e-4)
+    assert all(len(top) <= 3 for top in lp.top_logprobs[1:])
+    # streamed: the prompt's logprobs come with the first chunk
+    chunks = list(client.completions.create(
+        model=server.model_name, prompt=ids, max_tokens=2, temperature=0, logprobs=1, echo=True, stream=True, extra_body=EXACT
+    ))  # fmt: skip
+    first = chunks[0].choices[0].logprobs
+    assert len(first.tokens) == len(ids) and first.token_logprobs[0] is None
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == len(ids) + 2
 
 
 def test_unset_max_tokens_is_openais_16(client, server):

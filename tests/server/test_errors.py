@@ -39,7 +39,6 @@ BAD_INPUTS = {
     "empty token prompt": (COMPLETIONS, {"prompt": []}, 400, "prompt", None),
     "no messages": (CHAT, {"messages": []}, 400, "messages", None),
     "too many prompts": (COMPLETIONS, {"prompt": ["a"] * 257}, 400, "prompt", None),
-    "echo with logprobs": (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
     "prompt over max_model_len": (COMPLETIONS, {"prompt": "hello " * 300}, 400, "prompt", "context_length_exceeded"),
     "messages over max_model_len": (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "messages", "context_length_exceeded"),
     "max_tokens that cannot fit": (COMPLETIONS, {"prompt": "x", "max_tokens": 300}, 400, "max_tokens", "context_length_exceeded"),
