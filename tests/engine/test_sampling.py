@@ -205,3 +205,24 @@ def test_top_k_candidates_path_equals_the_full_sort(monkeypatch):
     monkeypatch.setattr(sampler, "_TOPK_LIMIT", 0)  # force the sort
     slow = filter_logits(logits, top_k, top_p, min_p)
     assert torch.equal(fast, slow)
+
+
+def test_mixed_batch_processes_only_the_rows_that_need_it():
+    """Plain greedy rows take the raw argmax, the others the whole pipeline: the same tokens
+    and logprobs as processing every row."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 300, generator=gen) * 3).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=0.9, seed=4),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0, logit_bias={7: 50.0}),
+    ]
+    def requests():
+        return [Request(str(i), [7, 8, 9], p) for i, p in enumerate(params)]
+    mixed = Sampler()(logits.clone(), requests())
+    whole = Sampler()._sample(logits.clone(), requests())
+    assert mixed.token_ids == whole.token_ids and mixed.token_ids[5] == 7
+    assert mixed.logprobs == whole.logprobs and mixed.sampled_logprobs == whole.sampled_logprobs
