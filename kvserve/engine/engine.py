@@ -343,6 +343,12 @@ class LLMEngine:
             + "".join(f"\n  note: {note}" for note in self.format_notes)
         )
 
+    def release(self) -> None:
+        """Let go of the model and the KV pool (a failed engine, before a new one is built);
+        the engine cannot step afterwards. Counters and the tokenizer stay readable."""
+        self.model = None
+        self.runner = None
+
     @property
     def uses_cpu_kernels(self) -> bool:
         return self.kernels.ops is not None

@@ -46,6 +46,12 @@ def register(subparsers) -> None:
     g.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per request")
+    g.add_argument(
+        "--restart-engine",
+        action="store_true",
+        help="if the engine fails, build a fresh one in this process (the model reloaded) instead of exiting 1; "
+        "a second failure within 60s of a restart still exits 1",
+    )
     s = p.add_argument_group("sampling defaults (for fields a request leaves unset; the request's own values always win)")
     s.add_argument(
         "--generation-config",
@@ -72,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout,
         access_log=args.access_log,
+        restart_engine=args.restart_engine,
         generation_config=args.generation_config,
         sampling_overrides={flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in _SAMPLING_FLAGS},
     )

@@ -18,6 +18,7 @@ class ServerConfig:
     max_request_bytes: int | str = "8MiB"
     drain_timeout_s: float = 10.0  # on SIGTERM/SIGINT: how long in-flight requests may finish
     access_log: bool = True
+    restart_engine: bool = False  # after an engine failure: a fresh engine in-process, not exit 1
     # what a request's unset sampling fields take (server/sampling_defaults.py)
     generation_config: str = "auto"  # auto: the model's own, else llama.cpp's; none: OpenAI's
     sampling_overrides: dict[str, float | int | None] = dataclasses.field(default_factory=dict)  # per-field flags

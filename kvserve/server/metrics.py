@@ -45,7 +45,13 @@ class ServerMetrics:
         self.generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per finished request (all n samples).", _TOKEN_COUNT_BUCKETS
         )
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._collector = _EngineCollector(engine, model_name)
+        self.registry.register(self._collector)
+
+    def bind_engine(self, engine: LLMEngine) -> None:
+        """Read a new engine's tallies from now on (after an engine restart; its counters
+        start from 0, which Prometheus reads as a counter reset)."""
+        self._collector.engine = engine
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Record a request that ran to its end (a client that left is counted by the engine only)."""

@@ -7,10 +7,11 @@ connection; the engine thread stops and the process exits 0. A second SIGINT ski
 the wait.
 
 If the engine thread fails (engine/async_engine.py: a step that raised leaves the engine's
-state unknown, so it is not restarted in place), every open stream has already got an
+state unknown, so it is not repaired in place), every open stream has already got an
 error event and [DONE], /health answers 503, new requests get 503, and the server shuts
 down as on SIGTERM and the process exits with status 1, for its supervisor (systemd,
-Kubernetes, a shell loop) to start a clean one.
+Kubernetes, a shell loop) to start a clean one; with `--restart-engine` a fresh engine is
+built in the process instead (server/supervisor.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.api import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.context import ServingContext
+from kvserve.server.supervisor import EngineSupervisor
 
 _ABORT_GRACE_S = 5.0
 EXIT_ENGINE_DEAD = 1
@@ -33,10 +36,12 @@ EXIT_ENGINE_DEAD = 1
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
     engine = AsyncLLMEngine(engine_config)
+    ctx: ServingContext | None = None
     try:
         _say(engine.engine.describe())
         app = build_app(engine, server_config)
-        _say(app.state.ctx.sampling_defaults.describe())
+        ctx = app.state.ctx
+        _say(ctx.sampling_defaults.describe())
         uv_config = uvicorn.Config(
             app,
             host=server_config.host,
@@ -47,17 +52,19 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
             timeout_graceful_shutdown=server_config.drain_timeout_s + _ABORT_GRACE_S,
             lifespan="off",
         )
-        server = _Server(uv_config, engine, app.state.ctx.model_name, server_config)
-        engine.on_dead = server.engine_died
+        server = _Server(uv_config, ctx, server_config)
+        supervisor = EngineSupervisor(ctx, engine_config, server_config.restart_engine, server.exit_soon)
         # uvicorn re-raises the signal it shut down on into the handler it found; make
         # that one a no-op so a graceful SIGTERM ends in exit status 0, not death by signal
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         server.run()
     finally:
-        engine.shutdown(drain_timeout_s=0)  # uvicorn already drained; abort what is left
-    if engine.dead_error is not None:
-        _say(f"stopped: the engine failed ({engine.dead_error!r}); exit status {EXIT_ENGINE_DEAD}")
+        # the engine now serving (a restart may have replaced the first); uvicorn already
+        # drained, so this aborts what is left
+        (ctx.engine if ctx is not None else engine).shutdown(drain_timeout_s=0)
+    if supervisor.failed is not None:
+        _say(f"stopped: the engine failed ({supervisor.failed!r}); exit status {EXIT_ENGINE_DEAD}")
         return EXIT_ENGINE_DEAD
     _say("stopped")
     return 0
@@ -66,15 +73,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
 class _Server(uvicorn.Server):
     """Reports the bound address (the real port when --port 0); drains, then aborts."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, model_name: str, server_config: ServerConfig):
+    def __init__(self, config: uvicorn.Config, ctx: ServingContext, server_config: ServerConfig):
         super().__init__(config)
-        self.engine = engine
-        self.model_name = model_name
+        self.ctx = ctx
+        self.model_name = ctx.model_name
         self.server_config = server_config
 
-    def engine_died(self, error: BaseException) -> None:
-        """From the engine thread, once every open stream has its error: shut down, exit 1."""
-        _say(f"the engine failed ({error!r}); shutting down")
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        return self.ctx.engine  # the current one: a restart replaces it
+
+    def exit_soon(self) -> None:
+        """From any thread: shut down as on SIGTERM."""
         self.should_exit = True  # uvicorn's main loop polls it
 
     async def startup(self, sockets=None) -> None:

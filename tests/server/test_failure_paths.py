@@ -9,6 +9,7 @@ import asyncio
 import json
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -51,6 +52,29 @@ def test_an_engine_failure_ends_every_request_and_the_process(tiny_llama, tmp_pa
         assert whole["response"].status_code == 503, whole["response"].text
         assert server.proc.wait(timeout=30) == 1, server.log()
         assert "the engine failed" in server.log()
+    finally:
+        server.kill()
+
+
+def test_restart_engine_brings_a_failed_engine_back_then_stops_a_crash_loop(tiny_llama, tmp_path):
+    # every engine of this process fails at its 11th step: the first failure restarts it,
+    # the second, within a minute of that restart, ends the process with status 1
+    server = ServerProcess(
+        tiny_llama, tmp_path / "serve.log", "--kv-cache-memory", "4MiB", "--restart-engine", env={FAIL_AFTER_STEPS_ENV: "10"}
+    )
+    try:
+        failed = httpx.post(f"{server.url}{COMPLETIONS}", json=LONG, timeout=30)
+        assert failed.status_code == 503, failed.text
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.2)
+        assert "engine restarted" in server.log()
+        short = httpx.post(f"{server.url}{COMPLETIONS}", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 3, short.text
+        assert httpx.post(f"{server.url}{COMPLETIONS}", json=LONG, timeout=30).status_code == 503
+        assert server.proc.wait(timeout=30) == 1, server.log()
+        assert "failed again within 60s of a restart" in server.log()
     finally:
         server.kill()
 
