@@ -32,7 +32,9 @@ def _events(response: httpx.Response) -> list[str]:
 
 
 def test_an_engine_failure_ends_every_request_and_the_process(tiny_llama, tmp_path):
-    server = ServerProcess(tiny_llama, tmp_path / "serve.log", "--kv-cache-memory", "4MiB", env={FAIL_AFTER_STEPS_ENV: "30"})
+    # step 200 comes after both requests are in (the stream is read before the other is sent),
+    # however slow the machine, and before either is done (LONG runs 400 steps)
+    server = ServerProcess(tiny_llama, tmp_path / "serve.log", "--kv-cache-memory", "4MiB", env={FAIL_AFTER_STEPS_ENV: "200"})
     try:
         whole: dict = {}
 
@@ -40,10 +42,12 @@ def test_an_engine_failure_ends_every_request_and_the_process(tiny_llama, tmp_pa
             whole["response"] = httpx.post(f"{server.url}{COMPLETIONS}", json=LONG, timeout=30)
 
         waiter = threading.Thread(target=non_streaming)
-        waiter.start()
         with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json={**LONG, "stream": True}, timeout=30) as response:
             assert response.status_code == 200
-            events = _events(response)
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]  # the stream runs; the whole-answer request joins it (or finds the engine dead)
+            waiter.start()
+            events += list(lines)
         waiter.join(30)
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2][6:])["error"]
