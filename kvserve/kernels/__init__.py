@@ -25,6 +25,7 @@ _SOURCES = [
         "gemv.cpp",
         "amx_linear.cpp",
         "decode_attention.cpp",
+        "shared_prefix_attention.cpp",
         "prefill_attention.cpp",
         "norm_rope_act.cpp",
         "argmax.cpp",

@@ -328,6 +328,50 @@ class CpuOps(Protocol):
         """One new query per request over its cached positions, read from the paged pool; [B, N_q, H].
         int8 pools come with their scales (AVX512 path, never AMX)."""
 
+    def paged_decode_attention_lse(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        start_positions: torch.Tensor,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """paged_decode_attention over each row's positions [start_positions[b], context_lens[b]) only (the suffix
+        after a shared prefix): (out [B, N_q, H] fp32, normalised; lse [B, N_q] fp32 = max + log sum exp(scale q.k)).
+        An empty range gives out 0, lse -inf. bf16 or fp32 pools (int8 refused for now)."""
+
+    def shared_prefix_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        prefix_blocks: torch.Tensor,
+        prefix_len: int,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's query rows q [n, N_q, H] bf16 against the first prefix_len positions of the shared blocks
+        prefix_blocks (int32 [P]), non-causal, each K/V row read once for the group: (out [n, N_q, H] fp32,
+        normalised; lse [n, N_q] fp32). prefix_len 0 gives out 0, lse -inf. A row's result does not depend on the
+        group's other rows (bitwise). bf16 pools (int8 refused for now)."""
+
+    def merge_attention_states(
+        self,
+        out_a: torch.Tensor,
+        lse_a: torch.Tensor,
+        out_b: torch.Tensor,
+        lse_b: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two attention parts of the same rows (out [..., H] fp32, lse [...] fp32) merged through their
+        log-sum-exp in fp32: (out in out_dtype (fp32 or bf16), merged lse fp32). lse -inf is an empty part; both
+        empty give 0 and -inf."""
+
     def paged_prefill_attention(
         self,
         q: torch.Tensor,

@@ -48,6 +48,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the paged KV pool (int8 pools with their scales)", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("paged_decode_attention_lse", &paged_decode_attention_lse,
+        "decode attention over positions [start, len) of each row: (out fp32, lse fp32)", py::arg("q"), py::arg("k_pool"),
+        py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("start_positions"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("shared_prefix_attention", &shared_prefix_attention,
+        "a group's queries against its shared prefix blocks, each read once: (out fp32, lse fp32)", py::arg("q"),
+        py::arg("k_pool"), py::arg("v_pool"), py::arg("prefix_blocks"), py::arg("prefix_len"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("merge_attention_states", &merge_attention_states,
+        "two attention parts merged through their log-sum-exp: (out in out_dtype, lse fp32)", py::arg("out_a"),
+        py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"), py::arg("out_dtype"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prompt tokens over the paged KV pool on AMX tiles, into out (int8 pools with their scales)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("segments"), py::arg("scale"),

@@ -5,6 +5,7 @@
 // take fp32 FMAs. int8 pools (with a scale per position and KV head) are widened in
 // registers on the AVX512 path, never AMX.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/bit_cast.h>
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -27,8 +29,8 @@ bool amx_attention_on() { return amx_attention_enabled && amx_available(); }
 
 namespace {
 
-// Softmax of n scores in place (fp32).
-inline void softmax_inplace(float* sc, int64_t n) {
+// Softmax of n scores in place (fp32); returns their log-sum-exp, max + log Σ e^(s - max).
+inline float softmax_inplace(float* sc, int64_t n) {
   const int64_t nv = n / 16 * 16;
   __m512 mxv = _mm512_set1_ps(-INFINITY);
   for (int64_t s = 0; s < nv; s += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sc + s));
@@ -47,6 +49,7 @@ inline void softmax_inplace(float* sc, int64_t n) {
   const __m512 invb = _mm512_set1_ps(inv);
   for (int64_t s = 0; s < nv; s += 16) _mm512_storeu_ps(sc + s, _mm512_mul_ps(_mm512_loadu_ps(sc + s), invb));
   for (int64_t s = nv; s < n; ++s) sc[s] *= inv;
+  return mx + std::log(sum);
 }
 
 // Horizontal sums of 16 vectors at once: returns r with r[k] = sum of all lanes of the
@@ -394,7 +397,7 @@ void amx_values_pass(const at::BFloat16* const* v_rows, int64_t off, int64_t c_f
 // max / exp / normalise / round passes (the max came from amx_scores). Σ is of the fp32
 // values, as FlashAttention sums P before rounding it for the PV product.
 inline uint16_t* exp_to_bf16(const float* scores, int64_t S, int64_t g, const __m512* row_max, int64_t ld,
-                             float* inv_sum) {
+                             float* inv_sum, float* lse = nullptr) {
   thread_local std::vector<uint16_t> pbf;
   pbf.resize(16 * ld);
   for (int64_t j = 0; j < g; ++j) {
@@ -407,15 +410,21 @@ inline uint16_t* exp_to_bf16(const float* scores, int64_t S, int64_t g, const __
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf.data() + j * ld + s0), (__m256i)_mm512_cvtneps_pbh(e));
     }
-    inv_sum[j] = 1.f / _mm512_reduce_add_ps(sum);
+    const float total = _mm512_reduce_add_ps(sum);
+    inv_sum[j] = 1.f / total;
+    if (lse) lse[j] = _mm512_reduce_max_ps(mx) + std::log(total);
   }
   return pbf.data();
 }
 
-template <typename T>
+// Request b attends to its positions [start_positions[b], context_lens[b]) (start 0 where
+// start_positions is null); with `lse`, each head's log-sum-exp of its scores goes to
+// lse[b·num_heads + head] (-inf and a zero output for an empty range).
+template <typename T, typename OutT = T>
 void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const int32_t* block_tables,
-                           const int32_t* context_lens, T* out, int64_t B, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, bool use_amx) {
+                           const int32_t* context_lens, OutT* out, int64_t B, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, bool use_amx,
+                           const int32_t* start_positions = nullptr, float* lse = nullptr) {
   const int64_t g = num_heads / num_kv_heads;
   TORCH_CHECK(g <= kMaxG, "paged_decode_attention: at most ", kMaxG, " query heads per KV head, got ", g);
   TORCH_CHECK((std::is_same_v<T, float>) || head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0,
@@ -430,13 +439,14 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
     if (use_amx) configure_full_tiles(6);  // 0 = C, 1 = A, 2..5 = B
     // slot addresses of a request's positions, walking its block table (no division per position)
     auto slot_rows = [&](int64_t req, std::vector<const T*>& ks, std::vector<const T*>& vs) {
-      const int64_t S = context_lens[req];
+      const int64_t first = start_positions ? start_positions[req] : 0;
+      const int64_t S = context_lens[req] - first;
       const int32_t* table = block_tables + req * max_blocks;
       ks.resize(S);
       vs.resize(S);
-      for (int64_t s = 0, blk = 0; s < S; ++blk) {
+      for (int64_t s = 0, blk = first / block_size, o0 = first % block_size; s < S; ++blk, o0 = 0) {
         const int64_t base = static_cast<int64_t>(table[blk]) * block_size * slot_stride;
-        for (int64_t o = 0; o < block_size && s < S; ++o, ++s) {
+        for (int64_t o = o0; o < block_size && s < S; ++o, ++s) {
           ks[s] = k_pool + base + o * slot_stride;
           vs[s] = v_pool + base + o * slot_stride;
         }
@@ -444,13 +454,20 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
     };
     if (begin < end) slot_rows(begin, next_k_rows, next_v_rows);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t S = context_lens[b];
+      const int64_t S = context_lens[b] - (start_positions ? start_positions[b] : 0);
       std::swap(k_rows, next_k_rows);
       std::swap(v_rows, next_v_rows);
       // the next request's rows are fetched while this one computes (more misses in flight)
       if (b + 1 < end) slot_rows(b + 1, next_k_rows, next_v_rows);
       else next_k_rows.clear(), next_v_rows.clear();
       const int64_t S_next = static_cast<int64_t>(next_k_rows.size());
+      if (S == 0) {  // an empty range: no weight anywhere (only the lse variant allows one)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          for (int64_t d = 0; d < hv; ++d) store16(out + (b * num_heads + h) * head_dim + d * 16, _mm512_setzero_ps());
+          if (lse) lse[b * num_heads + h] = -INFINITY;
+        }
+        continue;
+      }
       scores.resize(g * S);
       // Blocks sit anywhere in the pool, so the hardware prefetcher restarts at each one;
       // pull this request's K and V rows (all KV heads) into L2 ahead of the first pass.
@@ -506,7 +523,8 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
               default: vec_scores<4>(k_rows.data(), off, S, g, qh, head_dim, scale, scores.data(), row_max, hook); break;
             }
           }
-          const uint16_t* pbf = exp_to_bf16(scores.data(), S, g, row_max, ld_p, inv_sum);  // normalised on the output
+          const uint16_t* pbf = exp_to_bf16(scores.data(), S, g, row_max, ld_p, inv_sum,
+                                            lse ? lse + b * num_heads + kvh * g : nullptr);  // normalised on the output
           // pass 2: weighted sum of V rows, each read once for the g query heads of this KV head
           if (use_amx) {
             for (int64_t c = 0; c < head_dim / 32; c += 2) {  // up to two 32-feature chunks per pass over V
@@ -532,7 +550,8 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
             }
             if (s_vec < S && j == 0) hook();
             for (int64_t s = s_vec; s < S; ++s) sc[s] = _mm512_reduce_add_ps(qv.dot(k_rows[s] + off)) * scale;
-            softmax_inplace(sc, S);
+            const float row_lse = softmax_inplace(sc, S);
+            if (lse) lse[b * num_heads + kvh * g + j] = row_lse;
           }
           accumulate_values(v_rows.data(), off, scores.data(), S, g, hv, acc);
         }
@@ -892,4 +911,61 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
                                  false);
   }
   return out;
+}
+
+// The suffix half of shared-prefix attention: row b attends to its positions
+// [start_positions[b], context_lens[b]) only. Returns (out [B, N_q, H] fp32, normalised;
+// lse [B, N_q] fp32, max + log Σ exp(scale·q·k)); an empty range gives out 0, lse -inf.
+// bf16 or fp32 queries and pools (int8 pools are refused here).
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                                              at::Tensor block_tables, at::Tensor context_lens,
+                                                              at::Tensor start_positions, double scale,
+                                                              c10::optional<at::Tensor> k_scale,
+                                                              c10::optional<at::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4, "paged_decode_attention_lse: shapes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  start_positions.scalar_type() == at::kInt, "paged_decode_attention_lse: int32 tables");
+  TORCH_CHECK(k_pool.scalar_type() != at::kChar && !k_scale && !v_scale,
+              "paged_decode_attention_lse: int8 pools are not supported yet");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtypes");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleFp32 == 0 && head_dim <= kDecodeAttentionMaxHeadDim,
+              "paged_decode_attention_lse: head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleFp32,
+              ", at most ", kDecodeAttentionMaxHeadDim, ", got ", head_dim);
+  TORCH_CHECK(q.scalar_type() != at::kBFloat16 || head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0,
+              "paged_decode_attention_lse: bf16 head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleBf16);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  start_positions = start_positions.contiguous();
+  const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_pool.size(2), block_size = k_pool.size(1);
+  TORCH_CHECK(context_lens.numel() == B && start_positions.numel() == B && block_tables.size(0) == B,
+              "paged_decode_attention_lse: one table, length and start per row");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* starts = start_positions.data_ptr<int32_t>();
+  bool aligned = true;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= starts[b] && starts[b] <= lens[b] && lens[b] <= block_tables.size(1) * block_size,
+                "paged_decode_attention_lse: row ", b, " needs 0 <= start <= len <= its table's positions");
+    aligned = aligned && starts[b] % 16 == 0;
+  }
+  auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  auto lse = at::empty({B, num_heads}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kBFloat16) {
+    // AMX score tiles read 16 consecutive slots: starts on a 16-position boundary only
+    const bool use_amx = amx_attention_enabled && aligned && block_size % 16 == 0 && amx_available();
+    decode_attention_impl<at::BFloat16, float>(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(),
+                                               v_pool.data_ptr<at::BFloat16>(), block_tables.data_ptr<int32_t>(), lens,
+                                               out.data_ptr<float>(), B, num_heads, num_kv_heads, head_dim, block_size,
+                                               block_tables.size(1), static_cast<float>(scale), use_amx, starts,
+                                               lse.data_ptr<float>());
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "bf16 or fp32");
+    decode_attention_impl<float, float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                        block_tables.data_ptr<int32_t>(), lens, out.data_ptr<float>(), B, num_heads,
+                                        num_kv_heads, head_dim, block_size, block_tables.size(1),
+                                        static_cast<float>(scale), false, starts, lse.data_ptr<float>());
+  }
+  return {out, lse};
 }

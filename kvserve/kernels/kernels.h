@@ -3,7 +3,8 @@
 //
 //   gemv.cpp               gemv_bf16, gemv_vnni: small-M GEMV (decode of 1..8 requests)
 //   amx_linear.cpp         amx_available, amx_pack_weight, amx_linear(_silu_mul, _argmax)
-//   decode_attention.cpp   paged_decode_attention, set_amx_attention, amx_attention_on
+//   decode_attention.cpp   paged_decode_attention (_lse: a range of positions, fp32 out + lse), set_amx_attention, amx_attention_on
+//   shared_prefix_attention.cpp  shared_prefix_attention, merge_attention_states: cascade decode attention
 //   prefill_attention.cpp  paged_prefill_attention
 //   norm_rope_act.cpp      rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul
 //   argmax.cpp             argmax_rows
@@ -36,6 +37,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 // ---- limits -------------------------------------------------------------------------------
@@ -105,6 +107,31 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
                                   at::Tensor block_tables, at::Tensor context_lens, double scale,
                                   c10::optional<at::Tensor> k_scale = c10::nullopt,
                                   c10::optional<at::Tensor> v_scale = c10::nullopt);
+// Row b over its positions [start_positions[b], context_lens[b]) only (the suffix after a shared
+// prefix; start_positions int32 [B]): (out [B, N_q, H] fp32 normalised, lse [B, N_q] fp32 =
+// max + log Σ exp(scale·q·k)); an empty range gives out 0 and lse -inf. bf16 or fp32 pools (no int8 yet).
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                                              at::Tensor block_tables, at::Tensor context_lens,
+                                                              at::Tensor start_positions, double scale,
+                                                              c10::optional<at::Tensor> k_scale = c10::nullopt,
+                                                              c10::optional<at::Tensor> v_scale = c10::nullopt);
+
+// ---- shared_prefix_attention.cpp ----------------------------------------------------------
+
+// The n query rows q [n, N_q, H] bf16 of a group whose block tables all start with prefix_blocks
+// (int32 [P]) against those blocks' first prefix_len positions (<= P·block_size), non-causal, each
+// K/V row read once for the whole group: (out [n, N_q, H] fp32 normalised, lse [n, N_q] fp32 =
+// max + log Σ exp(scale·q·k)); prefix_len 0 gives out 0, lse -inf. bf16 pools (no int8 yet). A
+// row's result does not depend on the other rows of the group (bitwise).
+std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                                           at::Tensor prefix_blocks, int64_t prefix_len, double scale,
+                                                           c10::optional<at::Tensor> k_scale = c10::nullopt,
+                                                           c10::optional<at::Tensor> v_scale = c10::nullopt);
+// Two attention parts of the same rows merged through their log-sum-exp, in fp32: out_* [..., H]
+// fp32, lse_* [...] fp32 (-inf: an empty part, no weight; both empty give 0). Returns (out in
+// out_dtype (fp32 or bf16), merged lse fp32), so merges chain (groups within groups).
+std::tuple<at::Tensor, at::Tensor> merge_attention_states(at::Tensor out_a, at::Tensor lse_a, at::Tensor out_b,
+                                                          at::Tensor lse_b, at::ScalarType out_dtype);
 
 // ---- prefill_attention.cpp ----------------------------------------------------------------
 
