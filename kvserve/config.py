@@ -66,6 +66,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+SHARED_PREFIX_ATTENTION = ("auto", "off")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -106,6 +107,9 @@ class EngineConfig:
     # `dtype`; int8 / int4 = quantize float weights at load; none = dequantize everything
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; bfloat16; int8 (scales per position and KV head)
+    # auto: decode requests whose block tables start with the same cached blocks read that
+    # shared prefix once per group where the rule says so (kvserve/attention/cascade.py); off: never
+    shared_prefix_attention: str = "auto"
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
@@ -133,6 +137,11 @@ class EngineConfig:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.shared_prefix_attention not in SHARED_PREFIX_ATTENTION:
+            raise ConfigError(
+                "shared_prefix_attention",
+                f"must be one of {', '.join(SHARED_PREFIX_ATTENTION)}, got {self.shared_prefix_attention!r}",
+            )
         if self.quantization in ("int8", "int4") and self.torch_dtype == torch.float32:
             raise ConfigError(
                 "quantization",

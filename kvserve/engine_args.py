@@ -44,6 +44,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16", "int8"],
         help="KV cache element type: auto (the model's dtype), bfloat16, int8 (a scale per position and KV head)",
     )
+    g.add_argument(
+        "--shared-prefix-attention",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: decode requests sharing cached prefix blocks read that prefix once per group, where the cost rule "
+        "says so (the parts merged through their log-sum-exp); off: every request reads its whole history",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
@@ -65,6 +72,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         prepack_weights=args.prepack_weights,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        shared_prefix_attention=getattr(args, "shared_prefix_attention", "auto"),
     )
     values.update(overrides)
     return EngineConfig(**values)

@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from kvserve.attention.cascade import CascadePlan
+
 
 @dataclasses.dataclass
 class PrefillSegment:
@@ -46,8 +48,22 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32, S0 + 1
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, for in-place kernels
     prefills: list[PrefillSegment]
+    # decode rows grouped by shared prefix blocks (attention/cascade.py), when the engine's
+    # --shared-prefix-attention and its rule say so; None: every row reads its history alone
+    cascade: CascadePlan | None = None
+    # positions (all layers' K and V, c_kv each) this step's attention reads scanning every
+    # request's history alone: Σ decode context lengths + Σ prefill segments' S0 + m
+    kv_positions_read: int = 0
     _groups: tuple[list[FreshGroup], list[PrefillSegment]] | None = dataclasses.field(default=None, repr=False)
     _kernel_args: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    def kv_positions_read_with_sharing(self) -> int:
+        """What the step actually read: with a plan the attention path applied, each shared
+        level once per group and the suffixes; otherwise the same as `kv_positions_read`."""
+        plan = self.cascade
+        if plan is None or not plan.applied:
+            return self.kv_positions_read
+        return self.kv_positions_read - plan.positions_read_per_request() + plan.positions_read_once()
 
     def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the prefill kernel reads (`ops.paged_prefill_attention`): every segment's

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.cascade import cascade_decode_attention, cascade_decode_attention_kernels
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -134,18 +135,35 @@ def paged_attention(
     the block tables, the prefill kernel reads prompt tokens' K/V through their slots;
     without them, decodes and prompts gather and call SDPA (the reference path).
     `k_scale` / `v_scale`: the scale pools of int8 pools (None for float pools).
+    A `meta.cascade` plan runs the decodes in parts, each shared prefix read once per group
+    (attention/cascade.py): on the kernels where the plan was built for them (bf16 pools),
+    else on the reference path.
     """
+    plan = meta.cascade
+    on_kernels = decode_ops is not None and plan is not None and plan.uses_kernels
     if meta.num_decodes and not meta.prefills and decode_ops is not None:
+        if on_kernels:
+            return cascade_decode_attention_kernels(
+                q, k_pool, v_pool, plan, scale, decode_ops, meta.decode_block_tables, meta.decode_context_lens
+            )
         return decode_ops.paged_decode_attention(
             q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale, k_scale, v_scale
         )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if meta.num_decodes:
-        if decode_ops is not None:
+        if on_kernels:
+            out[: meta.num_decodes] = cascade_decode_attention_kernels(
+                q[: meta.num_decodes], k_pool, v_pool, plan, scale, decode_ops, meta.decode_block_tables, meta.decode_context_lens
+            )
+        elif decode_ops is not None:
             out[: meta.num_decodes] = decode_ops.paged_decode_attention(
                 q[: meta.num_decodes], k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale,
                 k_scale, v_scale,
             )  # fmt: skip
+        elif meta.cascade is not None:  # shared prefixes read once per group (attention/cascade.py)
+            out[: meta.num_decodes] = cascade_decode_attention(
+                q[: meta.num_decodes], k_pool, v_pool, meta.cascade, scale, k_scale, v_scale
+            )
         else:
             out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale, k_scale, v_scale)
     if meta.prefills:

@@ -64,6 +64,11 @@ def print_throughput(results: dict[str, Any], console: Console | None = None) ->
     console.print(f"kvserve: {ours['steps']} steps, {ours['preemptions']} preemptions, "
                   f"prefix-cache hit rate {100 * ours['prefix_cache_hit_rate']:.1f}%, "
                   f"TTFT median {_f(ours['ttft_ms']['median'], 0)} ms, TPOT median {_f(ours['tpot_ms']['median'], 1)} ms")
+    if "kv_bytes_read_per_step" in ours:
+        console.print(f"kvserve: KV read per step {ours['kv_bytes_read_per_step'] / 2**20:.2f} MiB "
+                      f"(scanning each history alone: {ours['kv_bytes_read_per_step_without_sharing'] / 2**20:.2f} MiB, "
+                      f"x{ours['kv_read_ratio']:.2f}); shared-prefix attention {ours['shared_prefix_attention']}, "
+                      f"read once in {ours['shared_prefix_steps']} of {ours['steps']} steps")
     for peer in results.get("ratios", {}):
         per_round = [f"{r[peer]:.2f}" for r in results.get("round_ratios", []) if peer in r]
         if per_round:

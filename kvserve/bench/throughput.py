@@ -54,6 +54,9 @@ def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
     engine.reset_prefix_cache()
     llm.generate(warmup.prompts, _params(warmup.output_lens))
     steps_before = engine.counters.steps
+    kv_read_before = engine.counters.attention_kv_bytes_read
+    kv_read_unshared_before = engine.counters.attention_kv_bytes_read_without_sharing
+    shared_steps_before = engine.counters.shared_prefix_steps
     preemptions_before = engine.scheduler.num_preemptions
     kv = engine.kv_cache
     queries_before, hits_before = kv.prefix_queries, kv.prefix_hits
@@ -61,6 +64,9 @@ def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
     outputs = llm.generate(workload.prompts, _params(workload.output_lens))
     elapsed_s = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    steps = max(1, engine.counters.steps - steps_before)
+    kv_read = engine.counters.attention_kv_bytes_read - kv_read_before
+    kv_read_unshared = engine.counters.attention_kv_bytes_read_without_sharing - kv_read_unshared_before
     timings = [o.timings[0] for o in outputs]
     result = {
         "engine": "kvserve",
@@ -71,6 +77,12 @@ def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
         "preemptions": engine.scheduler.num_preemptions - preemptions_before,
         # tokens found in the prefix cache / tokens looked up, over this run only
         "prefix_cache_hit_rate": (kv.prefix_hits - hits_before) / max(1, kv.prefix_queries - queries_before),
+        # KV bytes attention read per step (all layers), and what scanning each history alone reads
+        "shared_prefix_attention": engine.config.shared_prefix_attention,
+        "shared_prefix_steps": engine.counters.shared_prefix_steps - shared_steps_before,
+        "kv_bytes_read_per_step": kv_read / steps,
+        "kv_bytes_read_per_step_without_sharing": kv_read_unshared / steps,
+        "kv_read_ratio": kv_read_unshared / kv_read if kv_read else 1.0,
         "ttft_ms": summarize((t.ttft_s for t in timings), 1e3),
         "tpot_ms": summarize((t.tpot_s for t in timings), 1e3),
     }

@@ -63,6 +63,12 @@ class EngineCounters:
     finished: dict[str, int] = dataclasses.field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     steps: int = 0
     computed_tokens: int = 0  # positions run through the model (prefix-cache hits are not)
+    # KV bytes the attention read (positions x c_kv, all layers' K and V): as the step ran,
+    # and as a per-request scan of every history would have (equal where no shared prefix
+    # was read once: --shared-prefix-attention off, no group, or a path that ignores the plan)
+    attention_kv_bytes_read: int = 0
+    attention_kv_bytes_read_without_sharing: int = 0
+    shared_prefix_steps: int = 0  # steps whose decode attention read shared prefixes once per group
 
 
 class LLMEngine:
@@ -125,7 +131,7 @@ class LLMEngine:
         self.model.process_weights_after_loading()
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.runner = ModelRunner(self.model, layout, config.torch_device)
+        self.runner = ModelRunner(self.model, layout, config.torch_device, config.shared_prefix_attention)
         self.sampler = Sampler(self.kernels.op("argmax_rows"))
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Parent] = {}
@@ -257,6 +263,7 @@ class LLMEngine:
         update = self.scheduler.update_from_output(plan, sampled)
         self.scheduler.record_prompt_logprobs(batch.prompt_logprobs)
         self._count(plan, update)
+        self._count_kv_reads(batch)
         # one output per user request that got a token (its n samples together)
         touched = {p.request_id: p for p in (self._children[r.request_id] for r in update.sampled)}
         return [self._emit(p) for p in touched.values()]
@@ -268,6 +275,14 @@ class LLMEngine:
         counters.generation_tokens += len(update.sampled)
         for req in update.finished:
             counters.finished[req.status.value] += 1
+
+    def _count_kv_reads(self, batch) -> None:
+        meta, c_kv = batch.meta, self.layout.kv_bytes_per_position
+        counters = self.counters
+        counters.attention_kv_bytes_read_without_sharing += meta.kv_positions_read * c_kv
+        counters.attention_kv_bytes_read += meta.kv_positions_read_with_sharing() * c_kv
+        if meta.cascade is not None and meta.cascade.applied:
+            counters.shared_prefix_steps += 1
 
     def _emit(self, parent: _Parent) -> RequestOutput:
         # O(new tokens) per step: the deltas are sliced fresh; the whole output (token ids,

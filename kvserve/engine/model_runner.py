@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from kvserve.attention.cascade import SharedPrefixRule
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -71,8 +72,15 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, layout: KVPoolLayout, device: torch.device):
+    def __init__(
+        self, model: LlamaForCausalLM, layout: KVPoolLayout, device: torch.device, shared_prefix_attention: str = "auto",
+        shared_prefix_rule: SharedPrefixRule | None = None,
+    ):
         self.model = model
+        # "auto": decode rows whose tables start with the same physical blocks run in parts
+        # where the rule says so (attention/cascade.py); "off": never
+        self.shared_prefix_attention = shared_prefix_attention
+        self.shared_prefix_rule = shared_prefix_rule or SharedPrefixRule()
         self.layout = layout
         self.device = device
         arch = model.arch
@@ -136,14 +144,29 @@ class ModelRunner:
         sampling = scheduler_output.sampling
         logits_indices = [last_row[s.request.request_id] for s in sampling]
 
-        decode_slots = decode_mask = decode_lens = decode_tables = None
+        decode_slots = decode_mask = decode_lens = decode_tables = cascade = None
+        kv_positions_read = sum(seg.num_cached + seg.num_new for seg in prefills)
         if decodes:
-            lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
+            lens_list = [s.request.num_computed_tokens + 1 for s in decodes]
+            kv_positions_read += sum(lens_list)
+            if self.shared_prefix_attention == "auto":
+                decode_block_lists = [block_tables[s.request.request_id] for s in decodes]
+                cascade = self.shared_prefix_rule.plan(decode_block_lists, lens_list, bs)
+                # the kernels take bf16 queries and pools only for now: otherwise the plain
+                # decode kernel reads every history (and no plan is counted as applied)
+                if cascade is not None and self.decode_reads_pool_in_place:
+                    if self.layout.quantized or self.model.dtype != torch.bfloat16:
+                        cascade = None
+                    else:
+                        cascade.build_kernel_tensors(self.device)
+                elif cascade is not None:  # the reference path: slots and masks
+                    cascade.to(self.device).build_suffix_tensors(decode_block_lists, self.device)
+            lens = torch.tensor(lens_list)
             max_len = int(lens.max())
             max_blocks = -(-max_len // bs)
             padded = [block_tables[s.request.request_id][:max_blocks] for s in decodes]
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long)
-            if not self.decode_reads_pool_in_place:  # the reference path gathers slots, then masks
+            if not self.decode_reads_pool_in_place and cascade is None:  # the reference path gathers slots, then masks
                 ctx = torch.arange(max_len)
                 decode_slots = (tables[:, ctx // bs] * bs + ctx % bs).to(self.device)
                 decode_mask = (ctx.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len).to(self.device)
@@ -158,6 +181,8 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             decode_block_tables=decode_tables,
             prefills=prefills,
+            cascade=cascade,
+            kv_positions_read=kv_positions_read,
         )
         return StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

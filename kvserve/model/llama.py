@@ -235,7 +235,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
-        if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
+        # a shared-prefix plan on the kernels runs layer by layer (the fused step reads every
+        # history whole)
+        cascade = meta.cascade is not None and meta.cascade.uses_kernels
+        if not meta.prefills and not cascade and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             return self.kernels.ops.decode_layers(
                 self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
             )

@@ -25,7 +25,8 @@ _FLAGS = {
     "bytes_per_activation": "--bytes-per-activation", "reserved_bytes_per_chip": "--reserved-gb-per-chip",
     "kv_layout": "--kv-layout", "exchange_s_per_step": "--exchange-ms-per-step", "history_positions": "--history-positions",
     "prompt_positions": "--prompt-positions", "output_tokens": "--output-tokens", "new_positions": "--new-positions",
-    "shared_prefix_positions": "--shared-prefix-positions", "kv_block_positions": "--kv-block-positions",
+    "shared_prefix_positions": "--shared-prefix-positions", "shared_prefix_reads": "--shared-prefix-reads",
+    "kv_block_positions": "--kv-block-positions",
     "step_target_s": "--step-target-ms", "utilisation": "--utilisation", "batch": "--batch",
     "replica_chips": "--replica-chips", "prefill_groups": "--prefill-groups", "handoff_bytes_per_s": "--handoff-gb-per-s",
     "target_rate_req_per_s": "--target-rate-req-per-s", "arrival_rate_req_per_s": "--arrival-rate-req-per-s",
@@ -101,6 +102,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-tokens", type=int, default=512, help="N_out returned per request (default 512)")
     g.add_argument("--new-positions", type=int, help="T for attention work (default N_out − 1)")
     g.add_argument("--shared-prefix-positions", type=int, default=0, help="of S, shared exactly by all requests")
+    g.add_argument("--shared-prefix-reads", choices=["once", "per-request"], default="once",
+                   help="how a decode step reads the shared prefix: once for all requests (shared-prefix attention, "
+                        "the engine's default) or once per request (default once)")
     g.add_argument("--kv-block-positions", type=int, default=16, help="KV page size in positions (default 16)")
     g.add_argument("--step-target-ms", type=float, default=50.0, help="decode step target, ms (default 50)")
     g.add_argument("--utilisation", type=float, default=0.4, help="η of prefill (default 0.4)")
@@ -172,7 +176,8 @@ def build_inputs(args):
             exchange_s_per_step=args.exchange_ms_per_step * MS,
             history_positions=args.history_positions or args.prompt_positions, prompt_positions=args.prompt_positions,
             output_tokens=args.output_tokens, new_positions=args.new_positions,
-            shared_prefix_positions=args.shared_prefix_positions, kv_block_positions=args.kv_block_positions,
+            shared_prefix_positions=args.shared_prefix_positions, shared_prefix_reads=args.shared_prefix_reads,
+            kv_block_positions=args.kv_block_positions,
             step_target_s=args.step_target_ms * MS, utilisation=args.utilisation, batch=args.batch,
             replica_chips=args.replica_chips, prefill_groups=args.prefill_groups,
             handoff_bytes_per_s=args.handoff_gb_per_s * GB, target_rate_req_per_s=args.target_rate_req_per_s,

@@ -15,6 +15,8 @@ from kvserve.planner.hardware import Chip
 from kvserve.planner.layout import KV_LAYOUTS, check_heads_layout
 from kvserve.planner.models import ModelShape
 
+SHARED_PREFIX_READS = ("once", "per-request")
+
 
 @dataclass(frozen=True)
 class PlanInputs:
@@ -33,6 +35,9 @@ class PlanInputs:
     output_tokens: int = 512  # N_out, the first from prefill
     new_positions: int | None = None  # T for the attention-work section; default N_out − 1
     shared_prefix_positions: int = 0  # of S, shared exactly by every request in the batch
+    # how a decode step reads that prefix: "once" (shared-prefix attention, the engine's
+    # --shared-prefix-attention auto) or "per-request" (every request scans its whole history)
+    shared_prefix_reads: str = "once"
     kv_block_positions: int = 16  # page size b; physical KV rounds each request up to whole blocks
     step_target_s: float = 0.05  # decode step (≈ ITL) target
     utilisation: float = 0.4  # η of prefill
@@ -69,6 +74,7 @@ class PlanInputs:
         if self.new_positions is not None:
             checks.integer("new_positions", self.new_positions, 1)
         checks.integer("shared_prefix_positions", self.shared_prefix_positions, 0, self.history_positions)
+        checks.one_of("shared_prefix_reads", self.shared_prefix_reads, SHARED_PREFIX_READS)
         checks.integer("kv_block_positions", self.kv_block_positions, 1)
         checks.positive("step_target_s", self.step_target_s)
         checks.in_range("utilisation", self.utilisation, 0, 1, low_open=True)
@@ -86,6 +92,10 @@ class PlanInputs:
             checks.positive("arrival_rate_req_per_s", self.arrival_rate_req_per_s)
         if self.kv_layout == "heads":
             check_heads_layout(self.num_chips, self.model.num_query_heads, self.model.num_kv_heads)
+
+    @property
+    def reads_shared_prefix_once(self) -> bool:
+        return self.shared_prefix_reads == "once" and self.shared_prefix_positions > 0
 
     @property
     def attention_new_positions(self) -> int:

@@ -46,6 +46,13 @@ def shared_prefix_read_bytes(num_requests: int, shared_positions: int, private_p
     return num_requests * (shared_positions + private_positions) * kv_bytes_per_position
 
 
+def shared_prefix_read_once_bytes(num_requests: int, shared_positions: int, private_positions: int, kv_bytes_per_position: float) -> float:
+    """(S_shared + B·S_private)·c_kv: shared-prefix attention loads each shared block once and
+    lets every request's queries use it (kvserve/attention/cascade.py), so a step reads the
+    prefix once plus each request's private part, the same bytes as are stored."""
+    return (shared_positions + num_requests * private_positions) * kv_bytes_per_position
+
+
 def gqa_intensity_flops_per_byte(queries_per_kv_head: int, bytes_per_kv_element: float) -> float:
     """4·g·S·H FLOPs over 2·S·H·p_kv bytes of K and V = 2g/p_kv (≈ g for bf16); independent of S."""
     return 2 * queries_per_kv_head / bytes_per_kv_element

@@ -54,13 +54,19 @@ class Placement:
     kv_bytes_per_request_allocated: float  # ⌈S/b⌉·b·c_kv (what capacity must hold)
     kv_fraction_per_chip: float  # heads: N_kv,chip/N_kv; requests: 1 (whole requests)
     kv_replication_factor: float  # copies of each KV byte across the chips
+    # S_shared·c_kv of a prefix every request shares, when a step reads it once for all the
+    # requests on a chip (shared-prefix attention); 0: each request reads its whole S·c_kv
+    shared_kv_bytes_read_once: float = 0.0
 
     def requests_on_busiest_chip(self, batch: int) -> int:
         """heads: every chip serves every request; requests: ⌈B/N⌉ on the fullest chip."""
         return batch if self.layout == "heads" else math.ceil(batch / self.num_chips)
 
     def kv_read_bytes_on_busiest_chip(self, batch: int) -> float:
-        return self.requests_on_busiest_chip(batch) * self.kv_bytes_per_request * self.kv_fraction_per_chip
+        """r·S·c_kv·f for r requests on the chip; read once, (S_shared + r·S_private)·c_kv·f."""
+        requests = self.requests_on_busiest_chip(batch)
+        shared = self.shared_kv_bytes_read_once if requests else 0.0
+        return (shared + requests * (self.kv_bytes_per_request - shared)) * self.kv_fraction_per_chip
 
     def kv_allocated_bytes_on_busiest_chip(self, batch: int) -> float:
         return self.requests_on_busiest_chip(batch) * self.kv_bytes_per_request_allocated * self.kv_fraction_per_chip
@@ -75,6 +81,7 @@ class Placement:
 def place(
     layout: str, num_chips: int, num_params: float, bytes_per_weight: float, num_kv_heads: int,
     kv_bytes_per_request: float, kv_bytes_per_request_allocated: float | None = None,
+    shared_kv_bytes_read_once: float = 0.0,
 ) -> Placement:
     if layout == "heads":
         per_chip = kv_heads_per_chip(num_chips, num_kv_heads)
@@ -91,4 +98,5 @@ def place(
         kv_bytes_per_request_allocated=kv_bytes_per_request if kv_bytes_per_request_allocated is None else kv_bytes_per_request_allocated,
         kv_fraction_per_chip=fraction,
         kv_replication_factor=replication,
+        shared_kv_bytes_read_once=shared_kv_bytes_read_once,
     )

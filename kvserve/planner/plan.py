@@ -50,11 +50,14 @@ class Derived:
     def weight_bytes(self) -> float:
         return self.inputs.model.num_params * self.inputs.bytes_per_weight
 
-    def placement(self, layout: str | None = None, num_chips: int | None = None) -> Placement:
+    def placement(self, layout: str | None = None, num_chips: int | None = None, read_once: bool | None = None) -> Placement:
+        """`read_once`: whether a step reads the shared prefix once (default: the inputs' choice)."""
         i = self.inputs
+        read_once = i.reads_shared_prefix_once if read_once is None else read_once
         return place(
             layout or i.kv_layout, num_chips or i.num_chips, i.model.num_params, i.bytes_per_weight,
             i.model.num_kv_heads, self.kv_bytes_per_request, self.kv_bytes_per_request_allocated,
+            i.shared_prefix_positions * self.kv_bytes_per_position if read_once else 0.0,
         )
 
     def exchange_s(self, layout: str) -> float:
@@ -71,10 +74,12 @@ class Derived:
             i.chip.peak_flops_per_s, i.chip.hbm_bytes_per_s, self.exchange_s(layout),
         )
 
-    def step(self, batch: int, layout: str | None = None, num_chips: int | None = None) -> roofline.StepTime:
+    def step(
+        self, batch: int, layout: str | None = None, num_chips: int | None = None, read_once: bool | None = None,
+    ) -> roofline.StepTime:
         layout = layout or self.inputs.kv_layout
         return roofline.step_time(
-            self.placement(layout, num_chips), batch, self.inputs.chip.peak_flops_per_s,
+            self.placement(layout, num_chips, read_once), batch, self.inputs.chip.peak_flops_per_s,
             self.inputs.chip.hbm_bytes_per_s, self.exchange_s(layout),
         )
 

@@ -56,6 +56,13 @@ def kv_section(d) -> list[Q]:
         Q("shared_prefix_read_bytes", "KV read per step, per-request scan", kv.shared_prefix_read_bytes(B, shared, private, c_kv), "B",
           "B·(S_shared + S_private)·c_kv", f"{B}·({shared} + {private})·{num(c_kv)}",
           note="a kernel without cross-request reuse rereads the shared prefix once per request"),
+        Q("shared_prefix_read_once_bytes", "KV read per step, shared prefix read once",
+          kv.shared_prefix_read_once_bytes(B, shared, private, c_kv), "B", "(S_shared + B·S_private)·c_kv",
+          f"({shared} + {B}·{private})·{num(c_kv)}",
+          note="shared-prefix attention: one load of each shared block serves every request's queries; "
+               + ("the decode step below uses it" if i.reads_shared_prefix_once
+                  else "--shared-prefix-reads per-request: the step below uses the per-request scan" if shared
+                  else "set --shared-prefix-positions")),
     ]
 
 
@@ -149,9 +156,11 @@ def _step_quantities(d, cap: int) -> list[Q]:
         Q("weight_read_s", "weight read (W/N)/β", step.weight_read_s, "s", "(W/N)/β",
           f"{num(d.placement().weight_bytes_per_chip)}/{num(i.chip.hbm_bytes_per_s)}"),
         Q("kv_read_s", "KV read K_chip(B)/β", step.kv_read_s, "s", "K_chip(B)/β",
-          f"{num(d.placement().kv_read_bytes_on_busiest_chip(step.batch))}/{num(i.chip.hbm_bytes_per_s)}"),
+          f"{num(d.placement().kv_read_bytes_on_busiest_chip(step.batch))}/{num(i.chip.hbm_bytes_per_s)}",
+          note=_kv_read_note(i)),
         Q("exchange_s", "exchange time t_x", step.exchange_s, "s", "given (requests layout)", ""),
         Q("step_s", "decode step time", step.total_s, "s", "max(compute, weight read) + KV read + t_x", _step_subst(step)),
+        *_shared_prefix_steps(d, step.batch),
         Q("projection_branch", "projection branch at the decode batch", step.branch, "", "compute if B > B*", ""),
         Q("meets_step_target", "meets the step target", step.total_s <= target, "", "t_step ≤ t_target",
           f"{num(step.total_s)} ≤ {num(target)}"),
@@ -166,6 +175,39 @@ def _step_quantities(d, cap: int) -> list[Q]:
           "tok/s", "B/(N·t_step)", f"{step.batch}/({i.num_chips}·{num(step.total_s)})"),
     ]
     return out
+
+
+def _kv_read_note(i) -> str:
+    if not i.shared_prefix_positions:
+        return ""
+    if i.reads_shared_prefix_once:
+        return "K_chip = (S_shared + B·S_private)·c_kv·f: the shared prefix read once per step"
+    return "K_chip = B·S·c_kv·f: every request scans its whole history (--shared-prefix-reads per-request)"
+
+
+def _shared_prefix_steps(d, batch: int) -> list[Q]:
+    """With a shared prefix, the decode batch's KV read and step time both ways."""
+    i = d.inputs
+    if not i.shared_prefix_positions:
+        return []
+    beta = i.chip.hbm_bytes_per_s
+    once, scan = d.step(batch, read_once=True), d.step(batch, read_once=False)
+    once_bytes = d.placement(read_once=True).kv_read_bytes_on_busiest_chip(batch)
+    scan_bytes = d.placement(read_once=False).kv_read_bytes_on_busiest_chip(batch)
+    return [
+        Q("kv_read_bytes_read_once", "KV read per step on the busiest chip, prefix read once", once_bytes, "B",
+          "(S_shared + B·S_private)·c_kv·f", ""),
+        Q("kv_read_bytes_per_request_scan", "KV read per step on the busiest chip, per-request scan", scan_bytes, "B",
+          "B·S·c_kv·f", ""),
+        Q("kv_read_s_read_once", "KV read time, prefix read once", once.kv_read_s, "s", "K_chip(B)/β",
+          f"{num(once_bytes)}/{num(beta)}"),
+        Q("kv_read_s_per_request_scan", "KV read time, per-request scan", scan.kv_read_s, "s", "K_chip(B)/β",
+          f"{num(scan_bytes)}/{num(beta)}"),
+        Q("step_s_read_once", "decode step time, prefix read once", once.total_s, "s",
+          "max(compute, weight read) + KV read + t_x", _step_subst(once)),
+        Q("step_s_per_request_scan", "decode step time, per-request scan", scan.total_s, "s",
+          "max(compute, weight read) + KV read + t_x", _step_subst(scan)),
+    ]
 
 
 def _step_subst(step) -> str:

@@ -97,6 +97,10 @@ class _EngineCollector:
         yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_queries)
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits)
         yield self._counter("num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", engine.scheduler.num_preemptions)
+        yield self._counter("attention_kv_bytes_read", "KV cache bytes read by attention (shared prefixes read once per group where "
+                            "shared-prefix attention ran).", counters.attention_kv_bytes_read)
+        yield self._counter("attention_kv_bytes_read_without_sharing", "KV cache bytes attention would read scanning every "
+                            "request's history alone.", counters.attention_kv_bytes_read_without_sharing)
 
         finished = CounterMetricFamily(
             "kvserve:request_success", "Finished requests (samples) by reason: stop, length, abort.", labels=["model_name", "finished_reason"]

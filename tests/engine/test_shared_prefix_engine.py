@@ -1,0 +1,166 @@
+"""--shared-prefix-attention through the engine: the same greedy tokens on and off, the
+plan applied where it should be, and the KV bytes counted per step."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.errors import ConfigError
+
+PREFIX_LEN = 64
+OUT = 24
+
+
+def _prompts(vocab: int, num: int, prefix_len: int = PREFIX_LEN, seed: int = 0, num_prefixes: int = 1):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [prefixes[i % num_prefixes] + [rng.randrange(3, vocab) for _ in range(5 + i % 7)] for i in range(num)]
+
+
+def _run(tiny_llama, mode: str, prompts, params, warm: bool = True, **config):
+    # the plain-torch path (the reference) unless a test asks for the kernels: the decode
+    # kernel, fp32 included, ignores the plan for now
+    config = {"kv_cache_memory": "4MiB", "block_size": 4, "cpu_kernels": False, **config}
+    llm = LLM(tiny_llama, dtype=config.pop("dtype", "float32"), device="cpu", shared_prefix_attention=mode, **config)
+    if warm:  # one request first: the prefix blocks are in the cache when the others come
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    outs = llm.generate(prompts, params)
+    return [[c.token_ids for c in o.outputs] for o in outs], llm.engine
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True)
+
+
+def _check_on_off(tiny_llama, prompts, params=GREEDY, **config):
+    on, eng_on = _run(tiny_llama, "auto", prompts, params, **config)
+    off, eng_off = _run(tiny_llama, "off", prompts, params, **config)
+    assert on == off
+    c_on, c_off = eng_on.counters, eng_off.counters
+    assert c_on.shared_prefix_steps > 0 and c_off.shared_prefix_steps == 0
+    assert c_off.attention_kv_bytes_read == c_off.attention_kv_bytes_read_without_sharing
+    assert c_on.attention_kv_bytes_read < c_on.attention_kv_bytes_read_without_sharing
+    return eng_on, eng_off
+
+
+def test_greedy_tokens_identical_on_and_off_with_a_warm_prefix(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False)
+    prompts = _prompts(llm.engine.arch.vocab_size, 9)
+    eng_on, eng_off = _check_on_off(tiny_llama, prompts)
+    # the same work was scheduled both ways: the per-request figure does not depend on the flag
+    assert eng_on.counters.attention_kv_bytes_read_without_sharing == eng_off.counters.attention_kv_bytes_read_without_sharing
+    assert eng_on.counters.steps == eng_off.counters.steps
+
+
+def test_several_prefixes_round_robin_and_int8_kv(tiny_llama):
+    vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
+    prompts = _prompts(vocab, 12, num_prefixes=3, seed=3)
+    _check_on_off(tiny_llama, prompts, warm=False)
+    _check_on_off(tiny_llama, prompts, kv_cache_dtype="int8")
+
+
+def test_with_preemption_and_chunked_prefill(tiny_llama):
+    vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
+    prompts = _prompts(vocab, 8, seed=1)
+    # 2 KiB blocks of 4 positions: 60 blocks hold the shared 16 and a few requests' own
+    eng_on, eng_off = _check_on_off(tiny_llama, prompts, kv_cache_memory=60 * 2048)
+    assert eng_on.scheduler.num_preemptions > 0 and eng_off.scheduler.num_preemptions > 0
+    _check_on_off(tiny_llama, prompts, max_num_batched_tokens=24, long_prefill_token_threshold=16, warm=False)
+
+
+def test_n_samples_share_their_prompt(tiny_llama):
+    vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
+    prompts = _prompts(vocab, 2, seed=2)
+    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=OUT, ignore_eos=True)
+    _check_on_off(tiny_llama, prompts, params, warm=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_the_cpu_kernels(tiny_llama, dtype):
+    """bf16 on the kernels: the plan runs there (ops.shared_prefix_attention, layer by layer)
+    and reads less; fp32 on the kernels: the kernels do not take it, the plain decode kernel
+    reads every history and nothing is counted as shared. Greedy tokens agree either way
+    (the kernels' numerics against the reference: tests/kernels/test_shared_prefix_attention.py)."""
+    vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
+    prompts = _prompts(vocab, 6, seed=4)
+    try:
+        on, eng = _run(tiny_llama, "auto", prompts, GREEDY, dtype=dtype, cpu_kernels=True)
+        off, _ = _run(tiny_llama, "off", prompts, GREEDY, dtype=dtype, cpu_kernels=True)
+    except ConfigError as exc:  # no bf16 on this CPU
+        pytest.skip(str(exc))
+    assert on == off
+    counters = eng.counters
+    if eng.runner.decode_reads_pool_in_place and dtype == "bfloat16":
+        assert counters.shared_prefix_steps > 0
+        assert counters.attention_kv_bytes_read < counters.attention_kv_bytes_read_without_sharing
+    elif eng.runner.decode_reads_pool_in_place:
+        assert counters.shared_prefix_steps == 0
+        assert counters.attention_kv_bytes_read == counters.attention_kv_bytes_read_without_sharing
+
+
+def test_one_decode_step_counts_the_prefix_once(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB", block_size=4, cpu_kernels=False)
+    engine = llm.engine
+    c_kv = engine.layout.kv_bytes_per_position
+    prompts = _prompts(engine.arch.vocab_size, 6, prefix_len=40, seed=5)
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    before = engine.counters.attention_kv_bytes_read, engine.counters.attention_kv_bytes_read_without_sharing
+    engine.step()  # decode only
+    read = engine.counters.attention_kv_bytes_read - before[0]
+    unshared = engine.counters.attention_kv_bytes_read_without_sharing - before[1]
+    lens = [r.num_computed_tokens for r in engine.scheduler.running]  # after the step: S0 + 1 each
+    assert unshared == sum(lens) * c_kv
+    # the shared 40 positions = 10 blocks, all history for everyone: once, not 6 times
+    assert read == (40 + sum(n - 40 for n in lens)) * c_kv
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_flag_validated_at_the_edge():
+    with pytest.raises(ConfigError, match="shared_prefix_attention"):
+        LLM(None, shared_prefix_attention="on")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).shared_prefix_attention == "auto"
+    assert engine_config_from_args(parser.parse_args(["--shared-prefix-attention", "off"])).shared_prefix_attention == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--shared-prefix-attention", "always"])
+
+
+def test_prometheus_counters_and_bench_output(tiny_llama, tmp_path, capsys):
+    import json
+
+    from kvserve.cli import main
+    from kvserve.server.metrics import ServerMetrics
+
+    vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
+    _, engine = _run(tiny_llama, "auto", _prompts(vocab, 4), GREEDY)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = ServerMetrics(engine, "tiny").render().decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["kvserve:attention_kv_bytes_read_total"] == engine.counters.attention_kv_bytes_read
+    assert samples["kvserve:attention_kv_bytes_read_without_sharing_total"] == engine.counters.attention_kv_bytes_read_without_sharing
+    assert samples["kvserve:attention_kv_bytes_read_total"] < samples["kvserve:attention_kv_bytes_read_without_sharing_total"]
+
+    out = tmp_path / "thr.json"
+    base = ["bench", "throughput", "--model", tiny_llama, "--num-prompts", "8", "--input-len", "8", "--output-len", "8",
+            "--shared-prefix-len", "64", "--kv-cache-memory", "4MiB", "--dtype", "float32", "--no-cpu-kernels",
+            "--json", str(out)]
+    results = {}
+    for mode in ("auto", "off"):
+        assert main([*base, "--shared-prefix-attention", mode]) == 0
+        (results[mode],) = json.loads(out.read_text())["results"]["engines"]
+        assert "KV read per step" in capsys.readouterr().out
+    on, off = results["auto"], results["off"]
+    assert on["shared_prefix_steps"] > 0 and off["shared_prefix_steps"] == 0
+    assert on["kv_bytes_read_per_step"] < off["kv_bytes_read_per_step"] == off["kv_bytes_read_per_step_without_sharing"]
+    assert on["kv_read_ratio"] > 1 and off["kv_read_ratio"] == 1
