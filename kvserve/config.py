@@ -110,6 +110,11 @@ class EngineConfig:
     # auto: decode requests whose block tables start with the same cached blocks read that
     # shared prefix once per group where the rule says so (kvserve/attention/cascade.py); off: never
     shared_prefix_attention: str = "auto"
+    # the rule's threshold: a shared level shorter than this many positions is read per
+    # request. Provisional, not yet a measured crossover: a plan takes the decode step off
+    # the fused all-layers kernel, which costs more than a short prefix saves (the default
+    # model's own system prompt fills a block or two of every chat)
+    shared_prefix_min_positions: int = 1024
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
@@ -142,6 +147,8 @@ class EngineConfig:
                 "shared_prefix_attention",
                 f"must be one of {', '.join(SHARED_PREFIX_ATTENTION)}, got {self.shared_prefix_attention!r}",
             )
+        if isinstance(self.shared_prefix_min_positions, bool) or not isinstance(self.shared_prefix_min_positions, int) or self.shared_prefix_min_positions < 1:
+            raise ConfigError("shared_prefix_min_positions", f"must be an integer >= 1, got {self.shared_prefix_min_positions!r}")
         if self.quantization in ("int8", "int4") and self.torch_dtype == torch.float32:
             raise ConfigError(
                 "quantization",

@@ -51,6 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: decode requests sharing cached prefix blocks read that prefix once per group, where the cost rule "
         "says so (the parts merged through their log-sum-exp); off: every request reads its whole history",
     )
+    g.add_argument(
+        "--shared-prefix-min-positions",
+        type=int,
+        default=1024,
+        help="shortest shared prefix read once per group (default 1024; shorter ones are read per request)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
@@ -73,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         shared_prefix_attention=getattr(args, "shared_prefix_attention", "auto"),
+        shared_prefix_min_positions=getattr(args, "shared_prefix_min_positions", 1024),
     )
     values.update(overrides)
     return EngineConfig(**values)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from kvserve.attention.cascade import SharedPrefixRule
 from kvserve.config import EngineConfig
 from kvserve.engine.allocator import release_free_memory, tune_malloc
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -131,7 +132,8 @@ class LLMEngine:
         self.model.process_weights_after_loading()
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.runner = ModelRunner(self.model, layout, config.torch_device, config.shared_prefix_attention)
+        rule = SharedPrefixRule(min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size))
+        self.runner = ModelRunner(self.model, layout, config.torch_device, config.shared_prefix_attention, rule)
         self.sampler = Sampler(self.kernels.op("argmax_rows"))
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Parent] = {}
