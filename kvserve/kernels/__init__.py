@@ -88,6 +88,7 @@ def cpu_ops():
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         logger.warning("building kvserve CPU kernels (once per machine, ~30-60 s)")
+    _wait_for_other_builds(build_dir / "lock")
     try:
         return load(
             name=name,
@@ -102,3 +103,25 @@ def cpu_ops():
         _build_failure = f"the kernels failed to build ({str(exc)[:200]})"
         logger.warning("CPU kernels failed to build (%s); using the plain-torch path", exc)
         return None
+
+
+# A build takes about a minute; a lock this old belongs to a build that was killed
+# (torch's own wait on it never gives up, so every later start would hang)
+_STALE_LOCK_S = 15 * 60
+
+
+def _wait_for_other_builds(lock: Path) -> None:
+    """Wait while another process builds these kernels (it holds `lock`, torch's build
+    baton); remove the lock of a build that died instead of waiting on it for ever."""
+    import time
+
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > _STALE_LOCK_S:
+            logger.warning("removing %s, left %.0f min ago by a kernel build that did not finish", lock, age / 60)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
