@@ -110,11 +110,14 @@ class EngineConfig:
     # auto: decode requests whose block tables start with the same cached blocks read that
     # shared prefix once per group where the rule says so (kvserve/attention/cascade.py); off: never
     shared_prefix_attention: str = "auto"
-    # the rule's threshold: a shared level shorter than this many positions is read per
-    # request. Provisional, not yet a measured crossover: a plan takes the decode step off
-    # the fused all-layers kernel, which costs more than a short prefix saves (the default
-    # model's own system prompt fills a block or two of every chat)
-    shared_prefix_min_positions: int = 1024
+    # the rule's thresholds: a shared level shorter than this many positions, or shared by
+    # fewer requests, is read per request. Measured on AMD Zen 4 (2 cores, the default
+    # model, TPOT median off -> on, two rounds; issue 17's note): a plan takes the decode
+    # step off the fused all-layers kernel, which costs more than reading once saves below
+    # 16 requests x 2,048 positions (4 x 256..2,048: 8 -> 11-15 ms, 13 -> 22 ms; 16 x 512..1,024:
+    # mixed, 21-38 vs 20-28 ms; 16 x 2,048: 37 -> 32 and 46 -> 47 ms)
+    shared_prefix_min_positions: int = 2048
+    shared_prefix_min_group: int = 16
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
@@ -147,8 +150,10 @@ class EngineConfig:
                 "shared_prefix_attention",
                 f"must be one of {', '.join(SHARED_PREFIX_ATTENTION)}, got {self.shared_prefix_attention!r}",
             )
-        if isinstance(self.shared_prefix_min_positions, bool) or not isinstance(self.shared_prefix_min_positions, int) or self.shared_prefix_min_positions < 1:
-            raise ConfigError("shared_prefix_min_positions", f"must be an integer >= 1, got {self.shared_prefix_min_positions!r}")
+        for field, lo in (("shared_prefix_min_positions", 1), ("shared_prefix_min_group", 2)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ConfigError(field, f"must be an integer >= {lo}, got {value!r}")
         if self.quantization in ("int8", "int4") and self.torch_dtype == torch.float32:
             raise ConfigError(
                 "quantization",

@@ -132,7 +132,9 @@ class LLMEngine:
         self.model.process_weights_after_loading()
         self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
-        rule = SharedPrefixRule(min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size))
+        rule = SharedPrefixRule(
+            min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size), min_group_size=config.shared_prefix_min_group
+        )
         self.runner = ModelRunner(self.model, layout, config.torch_device, config.shared_prefix_attention, rule)
         self.sampler = Sampler(self.kernels.op("argmax_rows"))
         self._parents: dict[str, _Parent] = {}

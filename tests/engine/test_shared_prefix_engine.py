@@ -26,7 +26,7 @@ def _run(tiny_llama, mode: str, prompts, params, warm: bool = True, **config):
     # the plain-torch path (the reference) unless a test asks for the kernels: the decode
     # kernel, fp32 included, ignores the plan for now
     # the tiny prompts' prefixes are far below the default threshold (1,024 positions)
-    config = {"kv_cache_memory": "4MiB", "block_size": 4, "cpu_kernels": False, "shared_prefix_min_positions": 4, **config}
+    config = {"kv_cache_memory": "4MiB", "block_size": 4, "cpu_kernels": False, "shared_prefix_min_positions": 4, "shared_prefix_min_group": 2, **config}
     llm = LLM(tiny_llama, dtype=config.pop("dtype", "float32"), device="cpu", shared_prefix_attention=mode, **config)
     if warm:  # one request first: the prefix blocks are in the cache when the others come
         llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
@@ -104,7 +104,7 @@ def test_on_the_cpu_kernels(tiny_llama, dtype):
 
 
 def test_one_decode_step_counts_the_prefix_once(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB", block_size=4, cpu_kernels=False, shared_prefix_min_positions=4)
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB", block_size=4, cpu_kernels=False, shared_prefix_min_positions=4, shared_prefix_min_group=2)
     engine = llm.engine
     c_kv = engine.layout.kv_bytes_per_position
     prompts = _prompts(engine.arch.vocab_size, 6, prefix_len=40, seed=5)
@@ -130,6 +130,8 @@ def test_flag_validated_at_the_edge():
         LLM(None, shared_prefix_attention="on")
     with pytest.raises(ConfigError, match="shared_prefix_min_positions"):
         LLM(None, shared_prefix_min_positions=0)
+    with pytest.raises(ConfigError, match="shared_prefix_min_group"):
+        LLM(None, shared_prefix_min_group=1)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([])).shared_prefix_attention == "auto"
@@ -157,7 +159,7 @@ def test_prometheus_counters_and_bench_output(tiny_llama, tmp_path, capsys):
     out = tmp_path / "thr.json"
     base = ["bench", "throughput", "--model", tiny_llama, "--num-prompts", "8", "--input-len", "8", "--output-len", "8",
             "--shared-prefix-len", "64", "--kv-cache-memory", "4MiB", "--dtype", "float32", "--no-cpu-kernels",
-            "--shared-prefix-min-positions", "16", "--json", str(out)]
+            "--shared-prefix-min-positions", "16", "--shared-prefix-min-group", "2", "--json", str(out)]
     results = {}
     for mode in ("auto", "off"):
         assert main([*base, "--shared-prefix-attention", mode]) == 0

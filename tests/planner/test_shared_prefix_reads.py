@@ -82,7 +82,7 @@ def test_engine_counted_bytes_match_the_planner_within_page_rounding(tiny_llama,
     from kvserve import LLM, SamplingParams
 
     bs, batch, suffix = 4, 6, 6
-    llm = LLM(tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB", block_size=bs, cpu_kernels=False, shared_prefix_min_positions=bs)
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB", block_size=bs, cpu_kernels=False, shared_prefix_min_positions=bs, shared_prefix_min_group=2)
     engine = llm.engine
     rng = random.Random(prefix_len)
     vocab = engine.arch.vocab_size
