@@ -20,15 +20,13 @@ from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.context import ServingContext
 from kvserve.server.errors import sse_error, unsupported
-from kvserve.server.lifecycle import SSE_DONE, SSEResponse, fresh_outputs, last_output, sse, unless_disconnected
+from kvserve.server.lifecycle import SSE_DONE, SSEResponse, fresh_outputs, last_output, sse, unless_disconnected, usage_of
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
-    Usage,
 )
 from kvserve.server.sampling import sampling_params
 from kvserve.server.structured import structured_outputs_of
@@ -94,7 +92,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
             echoed = _echoed_logprobs(ctx, request, prompt, final, offsets, c.index)
             choice = _choice(ctx, request, prompt, c, text, c.token_ids, c.logprobs, offsets)
             choices.append(_with_echoed(choice, echoed))
-    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=_usage(finals))
+    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage_of(*finals))
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -162,7 +160,7 @@ async def _events(
             if out.finished:
                 ctx.metrics.observe_finished(out)
         if request.include_usage:
-            yield chunk([], usage=_usage(lasts))
+            yield chunk([], usage=usage_of(*lasts))
     except KVServeError as exc:
         yield sse_error(exc)
     finally:
@@ -199,17 +197,6 @@ def _with_echoed(choice: CompletionChoice, echoed: CompletionLogprobs | None) ->
             getattr(echoed, field).extend(getattr(choice.logprobs, field))
     choice.logprobs = echoed
     return choice
-
-
-def _usage(outputs: list[RequestOutput]) -> Usage:
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    completion_tokens = sum(o.num_generated_tokens for o in outputs)
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)),
-    )
 
 
 def _reject_unsupported(request: CompletionRequest) -> None:

@@ -87,13 +87,15 @@ def fresh_outputs(out: RequestOutput, finished: set[int]) -> list[CompletionOutp
     return fresh
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    completion_tokens = out.num_generated_tokens
+def usage_of(*outs: RequestOutput) -> Usage:
+    """The usage of one request, or summed over several (completions with several prompts)."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    completion_tokens = sum(o.num_generated_tokens for o in outs)
     return Usage(
-        prompt_tokens=len(out.prompt_token_ids),
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        total_tokens=len(out.prompt_token_ids) + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs)),
     )
 
 

@@ -46,14 +46,13 @@ from kvserve.server.tool_parsers import (
     Content,
     Event,
 )
-from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured.params import JSON_LAYOUT, StructuredOutputsParams
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-# How a constrained call is written: no free whitespace (a small model can spend all its
-# tokens on newlines and tabs that JSON allows) and json.dumps' separators, as calls are
-# written in training data. llguidance's JSON options, under its root-level "x-guidance"
-# key; other validators ignore the unknown keyword.
-CALL_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# How a constrained call is written: the one JSON layout of kvserve/structured (no free
+# whitespace, json.dumps' separators, as calls are written in training data), under
+# llguidance's root-level "x-guidance" key; other validators ignore the unknown keyword.
+CALL_JSON_OPTIONS: dict[str, Any] = JSON_LAYOUT
 _TEMPLATE_READS_TOOLS = re.compile(r"\{[{%](?:(?![%}]\}).)*\btools\b", re.S)
 
 

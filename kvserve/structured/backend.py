@@ -31,7 +31,7 @@ import llguidance.hf
 
 from kvserve.errors import InvalidRequestError
 from kvserve.structured.matcher import GrammarMatcher, error_reason
-from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured.params import JSON_LAYOUT, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvserve.model.tokenizer import Tokenizer
@@ -39,10 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per tokenizer; each is a few KB to a few MB
-# JSON on one line, with json.dumps's separators. llguidance's default (any whitespace
-# anywhere) let the 135M default model run on with newlines and spaces between tokens
-# until max_tokens, never closing the object; a fixed layout always can close.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = JSON_LAYOUT  # structured/params.py says why
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,13 @@ from typing import Any
 
 from kvserve.errors import InvalidRequestError
 
+# How constrained JSON is laid out: on one line with json.dumps's separators. llguidance's
+# default (any whitespace anywhere) let the 135M default model run on with newlines and
+# spaces until max_tokens, never closing the object; a fixed layout always can close.
+# The backend compiles every JSON schema with it (llguidance's `defaults`); tool-call schemas
+# also carry it under their root-level "x-guidance" key (server/tools.py).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
