@@ -68,14 +68,14 @@ class CascadePlan:
     # set by the attention path that computed with it; False where a path ignored the plan
     # (int8 pools on the kernel path, for now), and then the step read every history in full
     applied: bool = False
-    # the CPU kernels' inputs (`build_kernel_tensors`): the suffixes' first positions and
-    # each level's blocks, int32; set: the kernel path runs the plan (layer by layer)
-    kernel_suffix_start: torch.Tensor | None = None
-    kernel_level_blocks: list[torch.Tensor] | None = None
+    # the CPU kernels' input (`build_kernel_tensors`): ops.DecodeCascade, the suffixes' first
+    # positions and each level's members and blocks; set: the kernel path runs the plan, in
+    # the fused decode step or layer by layer
+    kernel_plan: object | None = None
 
     @property
     def uses_kernels(self) -> bool:
-        return self.kernel_suffix_start is not None
+        return self.kernel_plan is not None
 
     @property
     def num_decodes(self) -> int:
@@ -106,13 +106,16 @@ class CascadePlan:
             level.member_index = torch.tensor(level.members, dtype=torch.long, device=device)
         return self
 
-    def build_kernel_tensors(self, device: torch.device) -> "CascadePlan":
-        """What ops.shared_prefix_attention and ops.paged_decode_attention_lse read, made once
-        per step for all layers."""
+    def build_kernel_tensors(self, ops, device: torch.device) -> "CascadePlan":
+        """The plan as ops.cascade_decode_attention reads it (ops.DecodeCascade), made once per
+        step for all layers."""
+        levels = []
         for level in self.levels:
             level.member_index = torch.tensor(level.members, dtype=torch.long, device=device)
-        self.kernel_level_blocks = [torch.tensor(lv.block_ids, dtype=torch.int32, device=device) for lv in self.levels]
-        self.kernel_suffix_start = torch.tensor(self.suffix_start, dtype=torch.int32, device=device)
+            blocks = torch.tensor(level.block_ids, dtype=torch.int32, device=device)
+            levels.append(ops.CascadeLevel(members=level.member_index, blocks=blocks, num_positions=level.num_positions))
+        suffix_start = torch.tensor(self.suffix_start, dtype=torch.int32, device=device)
+        self.kernel_plan = ops.DecodeCascade(suffix_start=suffix_start, levels=levels)
         return self
 
     def build_suffix_tensors(self, block_tables: list[list[int]], device: torch.device) -> None:
@@ -302,19 +305,12 @@ def cascade_decode_attention_kernels(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CascadePlan, scale: float, ops,
     block_tables: torch.Tensor, context_lens: torch.Tensor,
 ) -> torch.Tensor:
-    """The same parts as `cascade_decode_attention`, on the CPU kernels (bf16 pools): every
-    row's suffix (`paged_decode_attention_lse` from its suffix start), then each level's
+    """The same parts as `cascade_decode_attention`, on the CPU kernels (bf16 pools), in one
+    call (ops.cascade_decode_attention, the function the fused decode step runs per layer):
+    every row's suffix (`paged_decode_attention_lse` from its suffix start), then each level's
     members against the level's blocks (`shared_prefix_attention`: each block read once for
-    all of them), merged in fp32 in the same order as the reference: suffix, then levels
-    outer to inner. q: [B, N_q, H] → [B, N_q, H] in q's dtype."""
-    acc_out, acc_lse = ops.paged_decode_attention_lse(
-        q, k_pool, v_pool, block_tables, context_lens, plan.kernel_suffix_start, scale, None, None
-    )
-    for level, blocks in zip(plan.levels, plan.kernel_level_blocks):
-        idx = level.member_index
-        o, lse = ops.shared_prefix_attention(q.index_select(0, idx), k_pool, v_pool, blocks, level.num_positions, scale, None, None)
-        merged, merged_lse = ops.merge_attention_states(acc_out.index_select(0, idx), acc_lse.index_select(0, idx), o, lse, torch.float32)
-        acc_out.index_copy_(0, idx, merged)
-        acc_lse.index_copy_(0, idx, merged_lse)
+    all of them), merged in fp32 in the same order as the reference: suffix, then levels outer
+    to inner. q: [B, N_q, H] → [B, N_q, H] in q's dtype."""
+    out = ops.cascade_decode_attention(q, k_pool, v_pool, block_tables, context_lens, plan.kernel_plan, scale)
     plan.applied = True
-    return acc_out.to(q.dtype)
+    return out

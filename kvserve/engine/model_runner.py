@@ -158,7 +158,7 @@ class ModelRunner:
                     if self.layout.quantized or self.model.dtype != torch.bfloat16:
                         cascade = None
                     else:
-                        cascade.build_kernel_tensors(self.device)
+                        cascade.build_kernel_tensors(self.model.kernels.ops, self.device)
                 elif cascade is not None:  # the reference path: slots and masks
                     cascade.to(self.device).build_suffix_tensors(decode_block_lists, self.device)
             lens = torch.tensor(lens_list)

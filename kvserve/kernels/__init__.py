@@ -26,6 +26,7 @@ _SOURCES = [
         "amx_linear.cpp",
         "decode_attention.cpp",
         "shared_prefix_attention.cpp",
+        "cascade_attention.cpp",
         "prefill_attention.cpp",
         "norm_rope_act.cpp",
         "argmax.cpp",

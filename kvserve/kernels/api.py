@@ -214,6 +214,38 @@ class DecodeModel(Protocol):
         """int8 V pools' scales, shaped as k_scales; empty for float pools."""
 
 
+class CascadeLevel(Protocol):
+    """One shared level of a decode step's plan (attention/cascade.py SharedLevel)."""
+
+    def __init__(self, *, members: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> None: ...
+
+    @property
+    def members(self) -> torch.Tensor:
+        """int64 [n]: the decode rows that share the level, ascending."""
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """int32 [P]: the level's physical blocks, the same at these table indices in every member's table."""
+
+    @property
+    def num_positions(self) -> int:
+        """Positions of the blocks the level covers (<= P * block_size)."""
+
+
+class DecodeCascade(Protocol):
+    """A decode step's shared-prefix plan, shared by all layers."""
+
+    def __init__(self, *, suffix_start: torch.Tensor, levels: Sequence[CascadeLevel]) -> None: ...
+
+    @property
+    def suffix_start(self) -> torch.Tensor:
+        """int32 [B]: each row's first position after its deepest level (0 without one)."""
+
+    @property
+    def levels(self) -> list[CascadeLevel]:
+        """The levels, outer before the levels inside them."""
+
+
 class CpuOps(Protocol):
     """Every name the compiled module binds."""
 
@@ -225,6 +257,8 @@ class CpuOps(Protocol):
     QUANT_Q8_MIN: int
     DecodeLayer: type[DecodeLayer]
     DecodeModel: type[DecodeModel]
+    CascadeLevel: type[CascadeLevel]
+    DecodeCascade: type[DecodeCascade]
 
     def limits(self) -> dict[str, int]:
         """Every shape limit the kernels enforce, by snake_case key (kernels.h lists what each means)."""
@@ -372,6 +406,22 @@ class CpuOps(Protocol):
         log-sum-exp in fp32: (out in out_dtype (fp32 or bf16), merged lse fp32). lse -inf is an empty part; both
         empty give 0 and -inf."""
 
+    def cascade_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        plan: DecodeCascade,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode attention of q [B, N_q, H] bf16 in the plan's parts: every row's suffix
+        (paged_decode_attention_lse), then each level's members against its blocks (shared_prefix_attention),
+        merged into the rows in place in fp32, suffix first, levels outer to inner. Returns [B, N_q, H] bf16."""
+
     def paged_prefill_attention(
         self,
         q: torch.Tensor,
@@ -401,5 +451,7 @@ class CpuOps(Protocol):
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        cascade: DecodeCascade | None = None,
     ) -> torch.Tensor:
-        """Every decoder layer of a decode batch in one call; the residual stream after the last (before the final norm)."""
+        """Every decoder layer of a decode batch in one call; the residual stream after the last (before the final
+        norm). With a shared-prefix plan each layer's attention is cascade_decode_attention."""

@@ -78,7 +78,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode batch in one call; the residual stream after the last (before the final norm)",
         py::arg("model"), py::arg("h"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
-        py::arg("context_lens"));
+        py::arg("context_lens"), py::arg("cascade") = nullptr);
+  m.def("cascade_decode_attention", &cascade_decode_attention,
+        "decode attention in parts by a shared-prefix plan (suffixes, then each level read once), merged in place",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("plan"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
 
   m.def("quant_linear", &quant_linear, "y = x @ W.T (+ bias) on block-quantized segments (int8 dot products)",
         py::arg("x"), py::arg("segments"), py::arg("bias") = py::none(), py::arg("float_out") = false);
@@ -154,4 +158,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("scale", &DecodeModel::scale)
       .def_readonly("k_scales", &DecodeModel::k_scales)
       .def_readonly("v_scales", &DecodeModel::v_scales);
+
+  py::class_<CascadeLevel>(m, "CascadeLevel", "one shared level of a decode plan: member rows, blocks, positions")
+      .def(py::init<at::Tensor, at::Tensor, int64_t>(), py::kw_only(), py::arg("members"), py::arg("blocks"),
+           py::arg("num_positions"))
+      .def_readonly("members", &CascadeLevel::members)
+      .def_readonly("blocks", &CascadeLevel::blocks)
+      .def_readonly("num_positions", &CascadeLevel::num_positions);
+
+  py::class_<DecodeCascade>(m, "DecodeCascade", "a decode step's shared-prefix plan: suffix starts, levels outer first")
+      .def(py::init<at::Tensor, std::vector<CascadeLevel>>(), py::kw_only(), py::arg("suffix_start"), py::arg("levels"))
+      .def_readonly("suffix_start", &DecodeCascade::suffix_start)
+      .def_readonly("levels", &DecodeCascade::levels);
 }

@@ -6,12 +6,15 @@
 // projections go through linear() / linear_silu_mul() on each layer's Projections (see
 // kernels.h), as the Python layers do, so which kernel a batch size gets is decided there.
 // bf16 or int8 KV pools: with int8 ones the model carries their scales (DecodeModel.k_scales).
+// A shared-prefix plan (`cascade`) replaces each layer's decode attention by
+// cascade_decode_attention, so reading a prefix once per group does not cost the step its
+// single call.
 #include <ATen/core/Tensor.h>
 
 #include "kernels.h"
 
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens) {
+                         at::Tensor block_tables, at::Tensor context_lens, const DecodeCascade* cascade) {
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
               "decode_layers: one K and one V pool per layer, got ", model.layers.size(), " layers, ",
               model.k_pools.size(), " K and ", model.v_pools.size(), " V pools");
@@ -31,16 +34,22 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
     if (!residual.defined()) residual = h;
     at::Tensor qkv = linear(x, layer.qkv);
     at::Tensor q, attn;
+    c10::optional<at::Tensor> k_scale, v_scale;
     if (int8) {
+      k_scale = model.k_scales[l];
+      v_scale = model.v_scales[l];
       q = rope_and_cache_int8(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
                               model.k_scales[l], model.v_scales[l], slot_mapping, num_heads, num_kv_heads, head_dim);
-      attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale,
-                                    model.k_scales[l], model.v_scales[l]);
     } else {
       q = rope_and_cache(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
                          slot_mapping, num_heads, num_kv_heads, head_dim);
-      attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale);
     }
+    if (cascade)
+      attn = cascade_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, *cascade,
+                                      model.scale, k_scale, v_scale);
+    else
+      attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale,
+                                    k_scale, v_scale);
     at::Tensor o = linear(attn.view({B, num_heads * head_dim}), layer.o);
     x = rms_norm(o, layer.post_attention_norm, eps, residual);
     h = linear(linear_silu_mul(x, layer.gate_up), layer.down);

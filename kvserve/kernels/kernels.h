@@ -5,6 +5,7 @@
 //   amx_linear.cpp         amx_available, amx_pack_weight, amx_linear(_silu_mul, _argmax)
 //   decode_attention.cpp   paged_decode_attention (_lse: a range of positions, fp32 out + lse), set_amx_attention, amx_attention_on
 //   shared_prefix_attention.cpp  shared_prefix_attention, merge_attention_states: cascade decode attention
+//   cascade_attention.cpp  cascade_decode_attention: a decode batch's whole plan (suffixes, levels, merges)
 //   prefill_attention.cpp  paged_prefill_attention
 //   norm_rope_act.cpp      rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul
 //   argmax.cpp             argmax_rows
@@ -132,6 +133,34 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
 // out_dtype (fp32 or bf16), merged lse fp32), so merges chain (groups within groups).
 std::tuple<at::Tensor, at::Tensor> merge_attention_states(at::Tensor out_a, at::Tensor lse_a, at::Tensor out_b,
                                                           at::Tensor lse_b, at::ScalarType out_dtype);
+// The per-row math of merge_attention_states, for callers that merge in place: (xa, la) and
+// (xb, lb) -> dst (fp32 or bf16, may be xa) and *lse_out. H a multiple of 16.
+void merge_attention_row(const float* xa, float la, const float* xb, float lb, int64_t H, float* dst_f32,
+                         at::BFloat16* dst_bf16, float* lse_out);
+
+// ---- cascade_attention.cpp ----------------------------------------------------------------
+
+// One shared level of a decode batch's plan (kvserve/attention/cascade.py SharedLevel): its
+// member rows (int64 [n], ascending) attend to the first num_positions positions of `blocks`
+// (int32 [P], the same at the same table indices in every member's table).
+struct CascadeLevel {
+  at::Tensor members;
+  at::Tensor blocks;
+  int64_t num_positions;
+};
+// A decode step's plan, shared by all layers: each row's suffix starts at suffix_start (int32
+// [B]); levels outer first (a level's rows merge it after the levels above it).
+struct DecodeCascade {
+  at::Tensor suffix_start;
+  std::vector<CascadeLevel> levels;
+};
+// Decode attention of q [B, N_q, H] bf16 in parts: each row's suffix
+// (paged_decode_attention_lse), then every level (shared_prefix_attention, each block read once
+// for its members), merged into the rows in place in fp32, in that order. Returns [B, N_q, H] bf16.
+at::Tensor cascade_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
+                                    at::Tensor context_lens, const DecodeCascade& plan, double scale,
+                                    c10::optional<at::Tensor> k_scale = c10::nullopt,
+                                    c10::optional<at::Tensor> v_scale = c10::nullopt);
 
 // ---- prefill_attention.cpp ----------------------------------------------------------------
 
@@ -235,6 +264,7 @@ struct DecodeModel {  // built once per loaded model (and again when the KV pool
 };
 
 // Every decoder layer of a decode batch in one call; returns the residual stream after the
-// last layer (before the final norm).
+// last layer (before the final norm). With a cascade plan (not null) each layer's attention
+// reads the shared prefixes once per group (cascade_decode_attention).
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens);
+                         at::Tensor block_tables, at::Tensor context_lens, const DecodeCascade* cascade = nullptr);

@@ -326,35 +326,36 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(at::Tensor out_a, at::
   const float *la = lse_a.data_ptr<float>(), *lb = lse_b.data_ptr<float>();
   float* lo = lse.data_ptr<float>();
   const bool bf16 = out_dtype == at::kBFloat16;
-  void* dst = out.data_ptr();
-  const int64_t hv = H / 16;
+  float* dst_f32 = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* dst_bf16 = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float a = la[r], b = lb[r], m = std::max(a, b);
-      float wa = 0.f, wb = 0.f;
-      if (m != -INFINITY) {
-        wa = std::exp(a - m);  // e^-inf = 0
-        wb = std::exp(b - m);
-      }
-      const float total = wa + wb;
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      lo[r] = total > 0.f ? m + std::log(total) : -INFINITY;
-      const float ca = wa * inv, cb = wb * inv;
-      const float* xa = oa + r * H;
-      const float* xb = ob + r * H;
-      auto row = [&](int64_t d, __m512 v) {
-        if (bf16) store16(static_cast<at::BFloat16*>(dst) + r * H + d, v);
-        else _mm512_storeu_ps(static_cast<float*>(dst) + r * H + d, v);
-      };
-      const __m512 cav = _mm512_set1_ps(ca), cbv = _mm512_set1_ps(cb);
-      // a part without weight adds nothing, even where its output is not finite
-      for (int64_t d = 0; d < hv; ++d) {
-        __m512 v = _mm512_setzero_ps();
-        if (ca != 0.f) v = _mm512_mul_ps(cav, _mm512_loadu_ps(xa + d * 16));
-        if (cb != 0.f) v = _mm512_fmadd_ps(cbv, _mm512_loadu_ps(xb + d * 16), v);
-        row(d * 16, v);
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      merge_attention_row(oa + r * H, la[r], ob + r * H, lb[r], H, bf16 ? nullptr : dst_f32 + r * H,
+                          bf16 ? dst_bf16 + r * H : nullptr, lo + r);
   });
   return {out, lse};
+}
+
+void merge_attention_row(const float* xa, float a, const float* xb, float b, int64_t H, float* dst_f32,
+                         at::BFloat16* dst_bf16, float* lse_out) {
+  const float m = std::max(a, b);
+  float wa = 0.f, wb = 0.f;
+  if (m != -INFINITY) {
+    wa = std::exp(a - m);  // e^-inf = 0
+    wb = std::exp(b - m);
+  }
+  const float total = wa + wb;
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  *lse_out = total > 0.f ? m + std::log(total) : -INFINITY;
+  const float ca = wa * inv, cb = wb * inv;
+  const __m512 cav = _mm512_set1_ps(ca), cbv = _mm512_set1_ps(cb);
+  // a part without weight adds nothing, even where its output is not finite; each 16 features
+  // are read before they are written, so dst may be xa
+  for (int64_t d = 0; d < H; d += 16) {
+    __m512 v = _mm512_setzero_ps();
+    if (ca != 0.f) v = _mm512_mul_ps(cav, _mm512_loadu_ps(xa + d));
+    if (cb != 0.f) v = _mm512_fmadd_ps(cbv, _mm512_loadu_ps(xb + d), v);
+    if (dst_bf16) store16(dst_bf16 + d, v);
+    else _mm512_storeu_ps(dst_f32 + d, v);
+  }
 }

@@ -235,13 +235,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
-        # a shared-prefix plan on the kernels runs layer by layer (the fused step reads every
-        # history whole)
-        cascade = meta.cascade is not None and meta.cascade.uses_kernels
-        if not meta.prefills and not cascade and 0 < input_ids.shape[0] <= self.fused_decode_rows():
-            return self.kernels.ops.decode_layers(
-                self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
+        if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
+            # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
+            # attention in its parts (kernels/cascade_attention.cpp)
+            plan = meta.cascade if meta.cascade is not None and meta.cascade.uses_kernels else None
+            hidden = self.kernels.ops.decode_layers(
+                self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                plan.kernel_plan if plan is not None else None,
             )
+            if plan is not None:
+                plan.applied = True
+            return hidden
         rope = RopeInputs(self.rotary, positions, h.dtype)
         residual = None
         for layer in self.layers:

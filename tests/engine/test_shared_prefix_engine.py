@@ -80,27 +80,80 @@ def test_n_samples_share_their_prompt(tiny_llama):
     _check_on_off(tiny_llama, prompts, params, warm=False)
 
 
+def _diverge_only_at_near_ties(on, off, margin=0.1):
+    """Greedy sequences (token_ids, logprobs with the top 2) on and off: equal up to the first
+    token where they differ, and there the off run's top two were within `margin` nats (bf16
+    rounding of the two attention orders decides such a near tie; nothing else may)."""
+    for (ids_on, _), (ids_off, lps_off) in zip(on, off):
+        for i, (a, b) in enumerate(zip(ids_on, ids_off)):
+            if a != b:
+                top = sorted(lps_off[i].values(), reverse=True)
+                assert top[0] - top[1] < margin, f"token {i}: {a} against {b}, top two {top[:2]} apart"
+                break
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_on_the_cpu_kernels(tiny_llama, dtype):
-    """bf16 on the kernels: the plan runs there (ops.shared_prefix_attention, layer by layer)
-    and reads less; fp32 on the kernels: the kernels do not take it, the plain decode kernel
-    reads every history and nothing is counted as shared. Greedy tokens agree either way
-    (the kernels' numerics against the reference: tests/kernels/test_shared_prefix_attention.py)."""
+def test_on_the_cpu_kernels(tiny_model_dirs, dtype):
+    """bf16 on the kernels: the plan runs there (kernels/cascade_attention.cpp, in the fused
+    step) and reads less, and the greedy tokens agree with the plain decode kernel's except
+    after a near tie (bf16: the two orders of summation round differently; the issue asks for
+    identical tokens in fp32, the kernels' numerics are in tests/kernels/
+    test_shared_prefix_attention.py). fp32 on the kernels: the kernels do not take the plan,
+    the plain decode kernel reads every history, nothing is counted as shared, and the tokens
+    are identical. head_dim 64, as the default model: the decode kernels take it."""
+    tiny_llama = tiny_model_dirs["llama-hd64"]
     vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
     prompts = _prompts(vocab, 6, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True, logprobs=2)
+
+    def run(mode):
+        config = {"kv_cache_memory": "4MiB", "block_size": 4, "shared_prefix_min_positions": 4, "shared_prefix_min_group": 2}
+        llm = LLM(tiny_llama, dtype=dtype, device="cpu", cpu_kernels=True, shared_prefix_attention=mode, **config)
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        return [(c.token_ids, c.logprobs) for o in llm.generate(prompts, params) for c in o.outputs], llm.engine
+
     try:
-        on, eng = _run(tiny_llama, "auto", prompts, GREEDY, dtype=dtype, cpu_kernels=True)
-        off, _ = _run(tiny_llama, "off", prompts, GREEDY, dtype=dtype, cpu_kernels=True)
+        on, eng = run("auto")
+        off, _ = run("off")
     except ConfigError as exc:  # no bf16 on this CPU
         pytest.skip(str(exc))
-    assert on == off
     counters = eng.counters
-    if eng.runner.decode_reads_pool_in_place and dtype == "bfloat16":
+    if not eng.runner.decode_reads_pool_in_place:
+        pytest.skip("the decode kernels are off on this CPU")
+    if dtype == "bfloat16":
         assert counters.shared_prefix_steps > 0
         assert counters.attention_kv_bytes_read < counters.attention_kv_bytes_read_without_sharing
-    elif eng.runner.decode_reads_pool_in_place:
+        _diverge_only_at_near_ties(on, off)
+    else:
+        assert [ids for ids, _ in on] == [ids for ids, _ in off]
         assert counters.shared_prefix_steps == 0
         assert counters.attention_kv_bytes_read == counters.attention_kv_bytes_read_without_sharing
+
+
+def test_fused_decode_step_runs_the_plan_with_the_layer_by_layer_bits(tiny_model_dirs):
+    """bf16 on the kernels: a step with a plan stays in the fused all-layers call
+    (decode_layers with the plan) and gives the same logprobs, to the bit, as the
+    layer-by-layer path running the same plan."""
+    tiny_llama = tiny_model_dirs["llama-hd64"]  # head_dim 64: the decode kernels take it
+    vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
+    prompts = _prompts(vocab, 6, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True, logprobs=2)
+    runs = []
+    for fused in (True, False):
+        config = {"kv_cache_memory": "4MiB", "block_size": 4, "shared_prefix_min_positions": 4, "shared_prefix_min_group": 2}
+        try:
+            llm = LLM(tiny_llama, dtype="bfloat16", device="cpu", cpu_kernels=True, shared_prefix_attention="auto", **config)
+        except ConfigError as exc:  # no bf16 on this CPU
+            pytest.skip(str(exc))
+        model = llm.engine.model
+        if not llm.engine.runner.decode_reads_pool_in_place or not model.fused_decode_rows():
+            pytest.skip("the decode kernels or the fused step are off on this CPU")
+        model.fused_decode = fused
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        outs = llm.generate(prompts, params)
+        assert llm.engine.counters.shared_prefix_steps > 0
+        runs.append([(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for o in outs for c in o.outputs])
+    assert runs[0] == runs[1]
 
 
 def test_one_decode_step_counts_the_prefix_once(tiny_llama):

@@ -252,3 +252,67 @@ def test_merge_with_one_empty_part_is_the_other_bitwise():
     out, lse = ops.merge_attention_states(torch.full_like(o, float("inf")), torch.full_like(lse_o, -math.inf), o, lse_o,
                                           torch.float32)  # fmt: skip
     assert torch.equal(out, o) and torch.equal(lse, lse_o)
+
+
+# ---- cascade_decode_attention: a whole plan in one call ----------------------------------------
+
+
+def _nested_plan_case(num_heads, num_kv_heads, head_dim, seed=3):
+    """Seven rows: rows 0-5 share 4 blocks; rows 1, 2, 4 also share the next 3; row 6 shares
+    nothing. Every row has its own suffix (lengths 1..40) after its deepest level."""
+    outer, inner = 4, 3
+    suffix = [1, 17, 40, 5, 16, 33, 20]
+    private = [-(-s // BLOCK) for s in suffix]
+    num_blocks = outer + inner + sum(private) + 1
+    k, v = _pools(num_blocks, num_kv_heads, head_dim, seed=seed)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    outer_b, inner_b = order[:outer], order[outer : outer + inner]
+    used, tables, starts = outer + inner, [], []
+    for r, p in enumerate(private):
+        shared = [] if r == 6 else [outer_b] + ([inner_b] if r in (1, 2, 4) else [])
+        start = sum(len(t) for t in shared) * BLOCK
+        tables.append(torch.cat(shared + [order[used : used + p]]))
+        starts.append(start)
+        used += p
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    lens = torch.tensor([s + n for s, n in zip(starts, suffix)], dtype=torch.int32)
+    q = _queries(len(tables), num_heads, head_dim, seed=seed + 1)
+    levels = [(torch.tensor([0, 1, 2, 3, 4, 5]), outer_b, outer * BLOCK), (torch.tensor([1, 2, 4]), inner_b, inner * BLOCK)]
+    return q, k, v, table, lens, torch.tensor(starts, dtype=torch.int32), levels
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES, ids=SHAPE_IDS)
+def test_cascade_plan_in_one_call_is_its_parts_bitwise(num_heads, num_kv_heads, head_dim):
+    """ops.cascade_decode_attention (what the fused decode step runs per layer) gives the bits of
+    its parts called one by one and merged in the same order (suffix, then levels outer to
+    inner), and each row agrees with one softmax over its whole history."""
+    q, k, v, table, lens, starts, levels = _nested_plan_case(num_heads, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    plan = ops.DecodeCascade(
+        suffix_start=starts,
+        levels=[ops.CascadeLevel(members=m, blocks=b, num_positions=p) for m, b, p in levels],
+    )
+    out = ops.cascade_decode_attention(q, k, v, table, lens, plan, scale)
+    acc, acc_lse = ops.paged_decode_attention_lse(q, k, v, table, lens, starts, scale)
+    for members, blocks, positions in levels:
+        o, lse = ops.shared_prefix_attention(q[members], k, v, blocks, positions, scale)
+        merged, merged_lse = ops.merge_attention_states(acc[members], acc_lse[members], o, lse, torch.float32)
+        acc[members], acc_lse[members] = merged, merged_lse
+    assert out.dtype == torch.bfloat16 and torch.equal(out, acc.bfloat16())
+    for b in range(q.shape[0]):
+        ref_out, _ = reference(q[b], k, v, _slots(table[b], torch.arange(int(lens[b]))), scale)
+        torch.testing.assert_close(out[b].float(), ref_out, atol=TOL, rtol=TOL)
+
+
+def test_cascade_plan_refuses_rows_outside_the_batch_or_out_of_order():
+    q, k, v, table, lens, starts, levels = _nested_plan_case(9, 3, 64)
+    members, blocks, positions = levels[0]
+    for bad in (torch.tensor([0, 7]), torch.tensor([2, 1])):
+        plan = ops.DecodeCascade(suffix_start=starts, levels=[ops.CascadeLevel(members=bad, blocks=blocks, num_positions=positions)])
+        with pytest.raises(RuntimeError, match="ascending rows"):
+            ops.cascade_decode_attention(q, k, v, table, lens, plan, 0.125)
+    with pytest.raises(RuntimeError, match="one suffix start per row"):
+        ops.cascade_decode_attention(q, k, v, table, lens, ops.DecodeCascade(suffix_start=starts[:3], levels=[]), 0.125)
