@@ -111,12 +111,13 @@ class EngineConfig:
     # shared prefix once per group where the rule says so (kvserve/attention/cascade.py); off: never
     shared_prefix_attention: str = "auto"
     # the rule's thresholds: a shared level shorter than this many positions, or shared by
-    # fewer requests, is read per request. Measured on AMD Zen 4 (2 cores, the default
-    # model, TPOT median off -> on, two rounds; issue 17's note): a plan takes the decode
-    # step off the fused all-layers kernel, which costs more than reading once saves below
-    # 16 requests x 2,048 positions (4 x 256..2,048: 8 -> 11-15 ms, 13 -> 22 ms; 16 x 512..1,024:
-    # mixed, 21-38 vs 20-28 ms; 16 x 2,048: 37 -> 32 and 46 -> 47 ms)
-    shared_prefix_min_positions: int = 2048
+    # fewer requests, is read per request. Measured on AMD Zen 4 (2 cores, the default model,
+    # decode steps alternating off/on in one run, step time off / on; issue 17's note): with
+    # the plan inside the fused decode step, 16 requests gain from 1,024 positions (512: 1.01,
+    # 1,024: 1.09, 2,048: 1.12; 4 x 16 x 1,024: 1.11); 2 to 8 requests lose at every length
+    # (0.84-1.01): a group's n·g query rows fill 16-lane vectors, so few rows waste lanes,
+    # and the shared read saved is small
+    shared_prefix_min_positions: int = 1024
     shared_prefix_min_group: int = 16
 
     def __post_init__(self) -> None:

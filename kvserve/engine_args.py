@@ -54,8 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--shared-prefix-min-positions",
         type=int,
-        default=2048,
-        help="shortest shared prefix read once per group (default 2048; shorter ones are read per request)",
+        default=1024,
+        help="shortest shared prefix read once per group (default 1024; shorter ones are read per request)",
     )
     g.add_argument(
         "--shared-prefix-min-group",
@@ -85,7 +85,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         shared_prefix_attention=getattr(args, "shared_prefix_attention", "auto"),
-        shared_prefix_min_positions=getattr(args, "shared_prefix_min_positions", 2048),
+        shared_prefix_min_positions=getattr(args, "shared_prefix_min_positions", 1024),
         shared_prefix_min_group=getattr(args, "shared_prefix_min_group", 16),
     )
     values.update(overrides)

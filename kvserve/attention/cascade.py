@@ -66,7 +66,7 @@ class CascadePlan:
     suffix_slots: torch.Tensor | None = None
     suffix_mask: torch.Tensor | None = None
     # set by the attention path that computed with it; False where a path ignored the plan
-    # (int8 pools on the kernel path, for now), and then the step read every history in full
+    # (fp32 on the kernel path), and then the step read every history in full
     applied: bool = False
     # the CPU kernels' input (`build_kernel_tensors`): ops.DecodeCascade, the suffixes' first
     # positions and each level's members and blocks; set: the kernel path runs the plan, in
@@ -304,13 +304,15 @@ def cascade_decode_attention(
 def cascade_decode_attention_kernels(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CascadePlan, scale: float, ops,
     block_tables: torch.Tensor, context_lens: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same parts as `cascade_decode_attention`, on the CPU kernels (bf16 pools), in one
+    """The same parts as `cascade_decode_attention`, on the CPU kernels (bf16 queries; bf16
+    pools, or int8 ones with their scales), in one
     call (ops.cascade_decode_attention, the function the fused decode step runs per layer):
     every row's suffix (`paged_decode_attention_lse` from its suffix start), then each level's
     members against the level's blocks (`shared_prefix_attention`: each block read once for
     all of them), merged in fp32 in the same order as the reference: suffix, then levels outer
     to inner. q: [B, N_q, H] → [B, N_q, H] in q's dtype."""
-    out = ops.cascade_decode_attention(q, k_pool, v_pool, block_tables, context_lens, plan.kernel_plan, scale)
+    out = ops.cascade_decode_attention(q, k_pool, v_pool, block_tables, context_lens, plan.kernel_plan, scale, k_scale, v_scale)
     plan.applied = True
     return out

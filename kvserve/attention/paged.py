@@ -136,15 +136,16 @@ def paged_attention(
     without them, decodes and prompts gather and call SDPA (the reference path).
     `k_scale` / `v_scale`: the scale pools of int8 pools (None for float pools).
     A `meta.cascade` plan runs the decodes in parts, each shared prefix read once per group
-    (attention/cascade.py): on the kernels where the plan was built for them (bf16 pools),
-    else on the reference path.
+    (attention/cascade.py): on the kernels where the plan was built for them (bf16 queries,
+    bf16 or int8 pools), else on the reference path.
     """
     plan = meta.cascade
     on_kernels = decode_ops is not None and plan is not None and plan.uses_kernels
     if meta.num_decodes and not meta.prefills and decode_ops is not None:
         if on_kernels:
             return cascade_decode_attention_kernels(
-                q, k_pool, v_pool, plan, scale, decode_ops, meta.decode_block_tables, meta.decode_context_lens
+                q, k_pool, v_pool, plan, scale, decode_ops, meta.decode_block_tables, meta.decode_context_lens,
+                k_scale, v_scale,
             )
         return decode_ops.paged_decode_attention(
             q, k_pool, v_pool, meta.decode_block_tables, meta.decode_context_lens, scale, k_scale, v_scale
@@ -153,7 +154,8 @@ def paged_attention(
     if meta.num_decodes:
         if on_kernels:
             out[: meta.num_decodes] = cascade_decode_attention_kernels(
-                q[: meta.num_decodes], k_pool, v_pool, plan, scale, decode_ops, meta.decode_block_tables, meta.decode_context_lens
+                q[: meta.num_decodes], k_pool, v_pool, plan, scale, decode_ops, meta.decode_block_tables,
+                meta.decode_context_lens, k_scale, v_scale,
             )
         elif decode_ops is not None:
             out[: meta.num_decodes] = decode_ops.paged_decode_attention(

@@ -55,6 +55,8 @@ def register(subparsers) -> None:
     thr.add_argument("--shared-prefix-len", type=int, default=0,
                      help="tokens of a common prefix (e.g. a system prompt) before each prompt (default 0: none)")
     thr.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, given out round robin (default 1)")
+    thr.add_argument("--profile-attention", action="store_true",
+                     help="run kvserve under torch.profiler and report its decode attention time per step (CPU kernels only)")
     _add_llama_cpp(thr)
     _add_outputs(thr, plot=True)
     add_engine_args(thr)

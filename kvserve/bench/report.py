@@ -69,6 +69,9 @@ def print_throughput(results: dict[str, Any], console: Console | None = None) ->
                       f"(scanning each history alone: {ours['kv_bytes_read_per_step_without_sharing'] / 2**20:.2f} MiB, "
                       f"x{ours['kv_read_ratio']:.2f}); shared-prefix attention {ours['shared_prefix_attention']}, "
                       f"read once in {ours['shared_prefix_steps']} of {ours['steps']} steps")
+    if "decode_attention_ms_per_step" in ours:
+        console.print(f"kvserve: decode attention {ours['decode_attention_ms_per_step']:.2f} ms per step "
+                      f"(torch.profiler, {ours['decode_attention_steps']} decode steps)")
     for peer in results.get("ratios", {}):
         per_round = [f"{r[peer]:.2f}" for r in results.get("round_ratios", []) if peer in r]
         if per_round:

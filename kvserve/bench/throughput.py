@@ -9,6 +9,7 @@ prompt tokens. Every engine gets one untimed warm-up on a few small requests fir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.attention_time import decode_attention_profile
 from kvserve.bench.hf_peer import peak_rss_mib
 from kvserve.bench.stats import summarize
 from kvserve.bench.workload import Workload, build_workload
@@ -48,7 +50,7 @@ def _params(output_lens: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
 
 
-def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
+def run_kvserve(llm, workload: Workload, warmup: Workload, profile_attention: bool = False) -> dict[str, Any]:
     engine = llm.engine
     # a later round must not find the earlier round's prompts in the prefix cache
     engine.reset_prefix_cache()
@@ -60,9 +62,11 @@ def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
     preemptions_before = engine.scheduler.num_preemptions
     kv = engine.kv_cache
     queries_before, hits_before = kv.prefix_queries, kv.prefix_hits
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, _params(workload.output_lens))
-    elapsed_s = time.perf_counter() - start
+    profiled: dict[str, Any] = {}
+    with decode_attention_profile(engine.arch.num_layers) if profile_attention else contextlib.nullcontext(profiled) as profiled:
+        start = time.perf_counter()
+        outputs = llm.generate(workload.prompts, _params(workload.output_lens))
+        elapsed_s = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     steps = max(1, engine.counters.steps - steps_before)
     kv_read = engine.counters.attention_kv_bytes_read - kv_read_before
@@ -85,6 +89,7 @@ def run_kvserve(llm, workload: Workload, warmup: Workload) -> dict[str, Any]:
         "kv_read_ratio": kv_read_unshared / kv_read if kv_read else 1.0,
         "ttft_ms": summarize((t.ttft_s for t in timings), 1e3),
         "tpot_ms": summarize((t.tpot_s for t in timings), 1e3),
+        **profiled,
     }
     if generated != workload.num_output_tokens:
         result["warning"] = f"generated {generated} tokens, the workload asked for {workload.num_output_tokens}"

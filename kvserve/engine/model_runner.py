@@ -152,10 +152,10 @@ class ModelRunner:
             if self.shared_prefix_attention == "auto":
                 decode_block_lists = [block_tables[s.request.request_id] for s in decodes]
                 cascade = self.shared_prefix_rule.plan(decode_block_lists, lens_list, bs)
-                # the kernels take bf16 queries and pools only for now: otherwise the plain
-                # decode kernel reads every history (and no plan is counted as applied)
+                # the kernels take bf16 queries (over bf16 or int8 pools): with fp32 ones the
+                # plain decode kernel reads every history (and no plan is counted as applied)
                 if cascade is not None and self.decode_reads_pool_in_place:
-                    if self.layout.quantized or self.model.dtype != torch.bfloat16:
+                    if self.model.dtype != torch.bfloat16:
                         cascade = None
                     else:
                         cascade.build_kernel_tensors(self.model.kernels.ops, self.device)

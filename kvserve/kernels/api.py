@@ -376,7 +376,7 @@ class CpuOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """paged_decode_attention over each row's positions [start_positions[b], context_lens[b]) only (the suffix
         after a shared prefix): (out [B, N_q, H] fp32, normalised; lse [B, N_q] fp32 = max + log sum exp(scale q.k)).
-        An empty range gives out 0, lse -inf. bf16 or fp32 pools (int8 refused for now)."""
+        An empty range gives out 0, lse -inf. bf16, fp32 or int8 pools (int8 with their scales)."""
 
     def shared_prefix_attention(
         self,
@@ -392,7 +392,7 @@ class CpuOps(Protocol):
         """A group's query rows q [n, N_q, H] bf16 against the first prefix_len positions of the shared blocks
         prefix_blocks (int32 [P]), non-causal, each K/V row read once for the group: (out [n, N_q, H] fp32,
         normalised; lse [n, N_q] fp32). prefix_len 0 gives out 0, lse -inf. A row's result does not depend on the
-        group's other rows (bitwise). bf16 pools (int8 refused for now)."""
+        group's other rows (bitwise). bf16 or int8 pools (int8 with their scales)."""
 
     def merge_attention_states(
         self,

@@ -7,12 +7,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/record_function.h>
 
 #include "kernels.h"
 
 at::Tensor cascade_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                                     at::Tensor context_lens, const DecodeCascade& plan, double scale,
                                     c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+  RECORD_FUNCTION(kDecodeAttentionRange, std::vector<c10::IValue>());  // as paged_decode_attention's
   TORCH_CHECK(q.dim() == 3, "cascade_decode_attention: q [B, N_q, H]");
   const int64_t B = q.size(0), num_heads = q.size(1), H = q.size(2);
   TORCH_CHECK(plan.suffix_start.numel() == B, "cascade_decode_attention: one suffix start per row, got ",

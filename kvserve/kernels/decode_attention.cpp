@@ -9,6 +9,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/bit_cast.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -683,8 +684,10 @@ void int8_scores(const Int8Rows& r, int64_t kvh, int64_t S, int64_t g, const T* 
   }
 }
 
-// p[j·S + s] = softmax_j(s) · vscale[s] in place, in two passes (the max came from int8_scores)
-inline void int8_softmax(float* sc, const float* vscale, int64_t S, int64_t g, const __m512* row_max) {
+// p[j·S + s] = softmax_j(s) · vscale[s] in place, in two passes (the max came from int8_scores);
+// with `lse`, lse[j] = max + log Σ e^(s - max) of head j
+inline void int8_softmax(float* sc, const float* vscale, int64_t S, int64_t g, const __m512* row_max,
+                         float* lse = nullptr) {
   const int64_t nv = S / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (S - nv)) - 1);
   for (int64_t j = 0; j < g; ++j) {
@@ -701,7 +704,9 @@ inline void int8_softmax(float* sc, const float* vscale, int64_t S, int64_t g, c
       _mm512_mask_storeu_ps(p + nv, tail, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    const float total = _mm512_reduce_add_ps(sum);
+    if (lse) lse[j] = _mm512_reduce_max_ps(row_max[j]) + std::log(total);
+    const __m512 inv = _mm512_set1_ps(1.f / total);
     for (int64_t s = 0; s < nv; s += 16)
       _mm512_storeu_ps(p + s, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(p + s), inv), _mm512_loadu_ps(vscale + s)));
     if (nv < S)
@@ -775,11 +780,15 @@ inline void int8_values_all(const Int8Rows& r, int64_t kvh, const float* p, int6
   }
 }
 
-template <typename T>
+// Request b over its positions [start_positions[b], context_lens[b]) (from 0 without
+// start_positions); with `lse`, each head's log-sum-exp (-inf and a zero output for an empty
+// range), as decode_attention_impl.
+template <typename T, typename OutT = T>
 void decode_attention_int8_impl(const T* q, const int8_t* k_pool, const int8_t* v_pool, const float* k_scale,
-                                const float* v_scale, const int32_t* block_tables, const int32_t* context_lens, T* out,
+                                const float* v_scale, const int32_t* block_tables, const int32_t* context_lens, OutT* out,
                                 int64_t B, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                int64_t max_blocks, float scale) {
+                                int64_t max_blocks, float scale, const int32_t* start_positions = nullptr,
+                                float* lse = nullptr) {
   const int64_t g = num_heads / num_kv_heads;
   TORCH_CHECK(g <= kMaxG, "paged_decode_attention: at most ", kMaxG, " query heads per KV head, got ", g);
   TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0, "int8 decode attention: head_dim % ",
@@ -789,11 +798,12 @@ void decode_attention_int8_impl(const T* q, const int8_t* k_pool, const int8_t* 
     std::vector<int64_t> slots, next_slots;
     std::vector<float> scores, vscale;
     auto slot_list = [&](int64_t req, std::vector<int64_t>& out_slots) {
-      const int64_t S = context_lens[req];
+      const int64_t first = start_positions ? start_positions[req] : 0;
+      const int64_t S = context_lens[req] - first;
       const int32_t* table = block_tables + req * max_blocks;
       out_slots.resize(S);
-      for (int64_t s = 0, blk = 0; s < S; ++blk)
-        for (int64_t o = 0, base = static_cast<int64_t>(table[blk]) * block_size; o < block_size && s < S; ++o, ++s)
+      for (int64_t s = 0, blk = first / block_size, o0 = first % block_size; s < S; ++blk, o0 = 0)
+        for (int64_t o = o0, base = static_cast<int64_t>(table[blk]) * block_size; o < block_size && s < S; ++o, ++s)
           out_slots[s] = base + o;
     };
     // a slot's K and V rows and scales into L2 (blocks sit anywhere: the hardware prefetcher restarts at each)
@@ -811,6 +821,13 @@ void decode_attention_int8_impl(const T* q, const int8_t* k_pool, const int8_t* 
       if (b + 1 < end) slot_list(b + 1, next_slots);
       else next_slots.clear();
       const int64_t S = static_cast<int64_t>(slots.size()), S_next = static_cast<int64_t>(next_slots.size());
+      if (S == 0) {  // an empty range: no weight anywhere (only the lse variant allows one)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          for (int64_t d = 0; d < hv; ++d) store16(out + (b * num_heads + h) * head_dim + d * 16, _mm512_setzero_ps());
+          if (lse) lse[b * num_heads + h] = -INFINITY;
+        }
+        continue;
+      }
       scores.resize(g * S);
       vscale.resize(S);
       if (b == begin)
@@ -833,7 +850,7 @@ void decode_attention_int8_impl(const T* q, const int8_t* k_pool, const int8_t* 
           case 3: int8_scores<T, 3>(rows, kvh, S, g, qh, scale, scores.data(), vscale.data(), row_max, hook); break;
           default: int8_scores<T, 4>(rows, kvh, S, g, qh, scale, scores.data(), vscale.data(), row_max, hook); break;
         }
-        int8_softmax(scores.data(), vscale.data(), S, g, row_max);
+        int8_softmax(scores.data(), vscale.data(), S, g, row_max, lse ? lse + b * num_heads + kvh * g : nullptr);
         __m512 acc[kMaxG][kHeadVecs];
         int8_values_all(rows, kvh, scores.data(), S, g, chunks, acc);
         for (int64_t j = 0; j < g; ++j)
@@ -845,21 +862,29 @@ void decode_attention_int8_impl(const T* q, const int8_t* k_pool, const int8_t* 
 
 }  // namespace
 
+void check_int8_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const c10::optional<at::Tensor>& k_scale,
+                      const c10::optional<at::Tensor>& v_scale, const char* who) {
+  TORCH_CHECK(v_pool.scalar_type() == at::kChar && k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
+                  v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() && v_scale->is_contiguous(),
+              who, ": int8 pools need their contiguous float32 scales");
+  TORCH_CHECK(k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
+              who, ": one scale per (slot, KV head)");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), who, ": pools must be contiguous");
+}
+
 // q: [B, N_q, H]; pools: [num_blocks, block_size, N_kv, H]; block_tables: [B, max_blocks] int32;
 // context_lens: [B] int32 (S0 + 1, the new position's K/V already written). Returns [B, N_q, H].
 // int8 pools come with their scales k_scale / v_scale [num_blocks, block_size, N_kv] fp32.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                   at::Tensor block_tables, at::Tensor context_lens, double scale,
                                   c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+  // a profiler range (nothing when no profiler runs): `kvserve bench throughput
+  // --profile-attention` sums these per decode step, inside the fused step too
+  RECORD_FUNCTION(kDecodeAttentionRange, std::vector<c10::IValue>());
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4, "paged_decode_attention: shapes");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
   if (k_pool.scalar_type() == at::kChar) {
-    TORCH_CHECK(v_pool.scalar_type() == at::kChar && k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
-                    v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() && v_scale->is_contiguous(),
-                "paged_decode_attention: int8 pools need their contiguous float32 scales");
-    TORCH_CHECK(k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
-                "paged_decode_attention: one scale per (slot, KV head)");
-    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
+    check_int8_pools(k_pool, v_pool, k_scale, v_scale, "paged_decode_attention");
     const int64_t head_dim = q.size(2);
     TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleBf16 == 0 && head_dim <= kDecodeAttentionMaxHeadDim,
                 "paged_decode_attention: int8 head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleBf16,
@@ -925,9 +950,12 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4, "paged_decode_attention_lse: shapes");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   start_positions.scalar_type() == at::kInt, "paged_decode_attention_lse: int32 tables");
-  TORCH_CHECK(k_pool.scalar_type() != at::kChar && !k_scale && !v_scale,
-              "paged_decode_attention_lse: int8 pools are not supported yet");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtypes");
+  const bool int8 = k_pool.scalar_type() == at::kChar;
+  if (int8)
+    check_int8_pools(k_pool, v_pool, k_scale, v_scale, "paged_decode_attention_lse");
+  else
+    TORCH_CHECK(!k_scale && !v_scale, "paged_decode_attention_lse: scales are for int8 pools only");
+  TORCH_CHECK(int8 || (q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type()), "dtypes");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim % kDecodeAttentionHeadDimMultipleFp32 == 0 && head_dim <= kDecodeAttentionMaxHeadDim,
               "paged_decode_attention_lse: head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleFp32,
@@ -952,7 +980,19 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
   }
   auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   auto lse = at::empty({B, num_heads}, q.options().dtype(at::kFloat));
-  if (q.scalar_type() == at::kBFloat16) {
+  if (int8) {
+    auto run = [&](auto tag) {
+      using T = decltype(tag);
+      decode_attention_int8_impl<T, float>(q.data_ptr<T>(), k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(),
+                                           k_scale->data_ptr<float>(), v_scale->data_ptr<float>(),
+                                           block_tables.data_ptr<int32_t>(), lens, out.data_ptr<float>(), B, num_heads,
+                                           num_kv_heads, head_dim, block_size, block_tables.size(1),
+                                           static_cast<float>(scale), starts, lse.data_ptr<float>());
+    };
+    if (q.scalar_type() == at::kBFloat16) run(at::BFloat16{});
+    else if (q.scalar_type() == at::kFloat) run(float{});
+    else TORCH_CHECK(false, "paged_decode_attention_lse: bf16 or fp32 queries");
+  } else if (q.scalar_type() == at::kBFloat16) {
     // AMX score tiles read 16 consecutive slots: starts on a 16-position boundary only
     const bool use_amx = amx_attention_enabled && aligned && block_size % 16 == 0 && amx_available();
     decode_attention_impl<at::BFloat16, float>(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(),

@@ -56,6 +56,10 @@ inline constexpr int64_t kWeightTileRows = 16;  // output columns per VNNI tile 
 inline constexpr int64_t kWeightTileK = 32;     // bf16 input features per tile
 inline constexpr int64_t kAmxArgmaxMaxRows = 128;
 
+// The profiler range each decode attention call (plain or in parts) records, also from inside
+// the fused decode step; kvserve/bench/throughput.py sums it (--profile-attention).
+inline constexpr const char* kDecodeAttentionRange = "kvserve::decode_attention";
+
 struct KernelLimit {
   const char* key;
   int64_t value;
@@ -110,19 +114,25 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
                                   c10::optional<at::Tensor> v_scale = c10::nullopt);
 // Row b over its positions [start_positions[b], context_lens[b]) only (the suffix after a shared
 // prefix; start_positions int32 [B]): (out [B, N_q, H] fp32 normalised, lse [B, N_q] fp32 =
-// max + log Σ exp(scale·q·k)); an empty range gives out 0 and lse -inf. bf16 or fp32 pools (no int8 yet).
+// max + log Σ exp(scale·q·k)); an empty range gives out 0 and lse -inf. bf16, fp32 or int8 pools
+// (with their scales, as paged_decode_attention).
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                                               at::Tensor block_tables, at::Tensor context_lens,
                                                               at::Tensor start_positions, double scale,
                                                               c10::optional<at::Tensor> k_scale = c10::nullopt,
                                                               c10::optional<at::Tensor> v_scale = c10::nullopt);
 
+// int8 pools [num_blocks, block_size, N_kv, H] need their contiguous fp32 scales, one per (slot,
+// KV head), and contiguous pools; `who` names the kernel in the error.
+void check_int8_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const c10::optional<at::Tensor>& k_scale,
+                      const c10::optional<at::Tensor>& v_scale, const char* who);
+
 // ---- shared_prefix_attention.cpp ----------------------------------------------------------
 
 // The n query rows q [n, N_q, H] bf16 of a group whose block tables all start with prefix_blocks
 // (int32 [P]) against those blocks' first prefix_len positions (<= P·block_size), non-causal, each
 // K/V row read once for the whole group: (out [n, N_q, H] fp32 normalised, lse [n, N_q] fp32 =
-// max + log Σ exp(scale·q·k)); prefix_len 0 gives out 0, lse -inf. bf16 pools (no int8 yet). A
+// max + log Σ exp(scale·q·k)); prefix_len 0 gives out 0, lse -inf. bf16 or int8 pools (with their scales). A
 // row's result does not depend on the other rows of the group (bitwise).
 std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                                            at::Tensor prefix_blocks, int64_t prefix_len, double scale,

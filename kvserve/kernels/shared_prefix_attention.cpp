@@ -12,6 +12,10 @@
 // and the PV product accumulates out[d] for 16 rows per vector from broadcast pairs
 // (V[s][d], V[s+1][d]) of a per-chunk interleaved copy of V.
 //
+// int8 pools: each task widens its chunk's K and V codes to bf16 once (exact) for all n·g rows;
+// the K scale multiplies each position's scores, the V scale each position's probability
+// before its bf16 rounding (the sum of probabilities stays unscaled, in fp32).
+//
 // Work: (KV head × chunk of kChunk positions) tasks, each writing its unnormalised output,
 // row max and Σ e^(s - max) per row; a second pass merges the chunks in order. Every row's
 // arithmetic (its lane of each dot product over H, the order over positions, the chunk
@@ -37,9 +41,10 @@ constexpr int64_t kPosBlock = 8;  // positions per score step (scores padded to 
 constexpr int kMaxRowGroupsPerPass = 4;  // row groups whose accumulators stay in registers
 
 // scores of positions [0, S_pad) for row groups rg0..rg0+RG-1: sc[(s·RGT + rg)·16 + lane]
+// (with pos_scale: position s's scores times pos_scale[s] instead of scale: an int8 K row's scale)
 template <int RG, int P>
 void chunk_scores(const uint32_t* qt, int64_t KP, const uint32_t* const* k_rows, int64_t S_pad, int64_t RGT,
-                  int64_t rg0, float scale, float* sc) {
+                  int64_t rg0, float scale, const float* pos_scale, float* sc) {
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t s0 = 0; s0 < S_pad; s0 += P) {
     if (s0 + 16 < S_pad)
@@ -65,7 +70,9 @@ void chunk_scores(const uint32_t* qt, int64_t KP, const uint32_t* const* k_rows,
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
-      for (int r = 0; r < RG; ++r) _mm512_storeu_ps(sc + ((s0 + p) * RGT + rg0 + r) * 16, _mm512_mul_ps(acc[p][r], scale_v));
+      for (int r = 0; r < RG; ++r)
+        _mm512_storeu_ps(sc + ((s0 + p) * RGT + rg0 + r) * 16,
+                         _mm512_mul_ps(acc[p][r], pos_scale ? _mm512_set1_ps(pos_scale[s0 + p]) : scale_v));
   }
 }
 
@@ -99,12 +106,20 @@ void chunk_values(const uint32_t* pp, const uint32_t* vp, int64_t pairs, int64_t
 }
 
 void scores_pass(int RG, const uint32_t* qt, int64_t KP, const uint32_t* const* k_rows, int64_t S_pad, int64_t RGT,
-                 int64_t rg0, float scale, float* sc) {
+                 int64_t rg0, float scale, const float* pos_scale, float* sc) {
   switch (RG) {
-    case 1: chunk_scores<1, 8>(qt, KP, k_rows, S_pad, RGT, rg0, scale, sc); break;
-    case 2: chunk_scores<2, 8>(qt, KP, k_rows, S_pad, RGT, rg0, scale, sc); break;
-    case 3: chunk_scores<3, 4>(qt, KP, k_rows, S_pad, RGT, rg0, scale, sc); break;
-    default: chunk_scores<4, 4>(qt, KP, k_rows, S_pad, RGT, rg0, scale, sc); break;
+    case 1: chunk_scores<1, 8>(qt, KP, k_rows, S_pad, RGT, rg0, scale, pos_scale, sc); break;
+    case 2: chunk_scores<2, 8>(qt, KP, k_rows, S_pad, RGT, rg0, scale, pos_scale, sc); break;
+    case 3: chunk_scores<3, 4>(qt, KP, k_rows, S_pad, RGT, rg0, scale, pos_scale, sc); break;
+    default: chunk_scores<4, 4>(qt, KP, k_rows, S_pad, RGT, rg0, scale, pos_scale, sc); break;
+  }
+}
+
+// an int8 row of H codes as bf16 (exact: |c| <= 128 fits bf16's 8 significant bits)
+inline void widen_int8_row(const int8_t* src, int64_t H, uint16_t* dst) {
+  for (int64_t d = 0; d < H; d += 16) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(f));
   }
 }
 
@@ -140,11 +155,14 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
                                                            c10::optional<at::Tensor> k_scale,
                                                            c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "shared_prefix_attention: shapes");
-  TORCH_CHECK(k_pool.scalar_type() != at::kChar && !k_scale && !v_scale,
-              "shared_prefix_attention: int8 pools are not supported yet");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
-                  v_pool.scalar_type() == at::kBFloat16,
-              "shared_prefix_attention: bf16 queries and pools");
+  const bool int8 = k_pool.scalar_type() == at::kChar;
+  if (int8)
+    check_int8_pools(k_pool, v_pool, k_scale, v_scale, "shared_prefix_attention");
+  else
+    TORCH_CHECK(!k_scale && !v_scale, "shared_prefix_attention: scales are for int8 pools only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
+                  (int8 || (k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16)),
+              "shared_prefix_attention: bf16 queries and bf16 or int8 pools");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "shared_prefix_attention: pools must be contiguous");
   TORCH_CHECK(prefix_blocks.scalar_type() == at::kInt && prefix_blocks.dim() == 1, "shared_prefix_attention: int32 [P] blocks");
   const int64_t n = q.size(0), num_heads = q.size(1), H = q.size(2);
@@ -180,8 +198,12 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
   const int64_t chunks = (prefix_len + kChunk - 1) / kChunk;
   const int64_t slot_stride = num_kv_heads * H;
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kd = k_pool.data_ptr<at::BFloat16>();
-  const auto* vd = v_pool.data_ptr<at::BFloat16>();
+  // element pointers of either pool dtype (bf16: 2 bytes, int8: 1), and the int8 scales
+  const auto* kd = static_cast<const char*>(k_pool.data_ptr());
+  const auto* vd = static_cast<const char*>(v_pool.data_ptr());
+  const int64_t elem = int8 ? 1 : 2;
+  const float* ksd = int8 ? k_scale->data_ptr<float>() : nullptr;
+  const float* vsd = int8 ? v_scale->data_ptr<float>() : nullptr;
   const float fscale = static_cast<float>(scale);
 
   // the query rows of each KV head in VNNI pairs, row m = b·g + j (head kvh·g + j of request b)
@@ -198,31 +220,52 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
 
   at::parallel_for(0, num_kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<const uint32_t*> k_rows;
-    std::vector<float> sc, accT;
+    std::vector<float> sc, accT, kpos_scale, vpos_scale;
     std::vector<uint32_t> pp, vp;
+    std::vector<uint16_t> kbuf, vrow_a, vrow_b;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kvh = task / chunks, c = task % chunks;
       const int64_t p0 = c * kChunk, S = std::min(kChunk, prefix_len - p0);
       const int64_t S_pad = (S + kPosBlock - 1) / kPosBlock * kPosBlock, pairs = S_pad / 2;
       auto slot_of = [&](int64_t pos) { return static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size; };
+      auto k_at = [&](int64_t pos) { return kd + (slot_of(pos) * slot_stride + kvh * H) * elem; };
+      auto v_at = [&](int64_t pos) { return vd + (slot_of(pos) * slot_stride + kvh * H) * elem; };
       k_rows.resize(S_pad);
-      for (int64_t s = 0; s < S_pad; ++s)  // padding reads position p0's row; its scores are never used
-        k_rows[s] = reinterpret_cast<const uint32_t*>(kd + slot_of(p0 + (s < S ? s : 0)) * slot_stride + kvh * H);
-      // the first K rows into L1 while V is copied (chunk_scores prefetches the rest ahead)
-      for (int64_t s = 0; s < std::min<int64_t>(16, S); ++s)
-        for (int64_t byte = 0; byte < H * 2; byte += 64) _mm_prefetch(reinterpret_cast<const char*>(k_rows[s]) + byte, _MM_HINT_T0);
-      // V in pairs of positions (V[s][d], V[s+1][d]), zero past S
+      if (int8) {  // the chunk's K codes widened once, its K scales (times the softmax scale) per position
+        kbuf.resize(S_pad * H);
+        kpos_scale.resize(S_pad);
+        vpos_scale.assign(S_pad, 0.f);
+        for (int64_t s = 0; s < S_pad; ++s) {
+          const int64_t pos = p0 + (s < S ? s : 0);  // padding repeats position p0; its scores are never used
+          widen_int8_row(reinterpret_cast<const int8_t*>(k_at(pos)), H, kbuf.data() + s * H);
+          k_rows[s] = reinterpret_cast<const uint32_t*>(kbuf.data() + s * H);
+          kpos_scale[s] = ksd[slot_of(pos) * num_kv_heads + kvh] * fscale;
+          if (s < S) vpos_scale[s] = vsd[slot_of(pos) * num_kv_heads + kvh];
+        }
+      } else {
+        for (int64_t s = 0; s < S_pad; ++s)  // padding reads position p0's row; its scores are never used
+          k_rows[s] = reinterpret_cast<const uint32_t*>(k_at(p0 + (s < S ? s : 0)));
+        // the first K rows into L1 while V is copied (chunk_scores prefetches the rest ahead)
+        for (int64_t s = 0; s < std::min<int64_t>(16, S); ++s)
+          for (int64_t byte = 0; byte < H * 2; byte += 64) _mm_prefetch(reinterpret_cast<const char*>(k_rows[s]) + byte, _MM_HINT_T0);
+      }
+      // V in pairs of positions (V[s][d], V[s+1][d]), zero past S (int8: the codes widened first)
       vp.assign(pairs * H, 0);
+      vrow_a.resize(H);
+      vrow_b.resize(H);
+      auto v_row = [&](int64_t pos, std::vector<uint16_t>& tmp) -> const at::BFloat16* {
+        if (!int8) return reinterpret_cast<const at::BFloat16*>(v_at(pos));
+        widen_int8_row(reinterpret_cast<const int8_t*>(v_at(pos)), H, tmp.data());
+        return reinterpret_cast<const at::BFloat16*>(tmp.data());
+      };
       for (int64_t t = 0; t < pairs; ++t) {
         const int64_t s = 2 * t;
         for (int64_t ahead = s + 16; ahead < std::min(S, s + 18); ++ahead)  // blocks sit anywhere: no hardware prefetch across them
-          for (int64_t byte = 0; byte < H * 2; byte += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(vd + slot_of(p0 + ahead) * slot_stride + kvh * H) + byte, _MM_HINT_T0);
-        const at::BFloat16* a = vd + slot_of(p0 + s) * slot_stride + kvh * H;
+          for (int64_t byte = 0; byte < H * elem; byte += 64) _mm_prefetch(v_at(p0 + ahead) + byte, _MM_HINT_T0);
         if (s + 1 < S) {
-          interleave_rows(a, vd + slot_of(p0 + s + 1) * slot_stride + kvh * H, H / 32, vp.data() + t * H);
+          interleave_rows(v_row(p0 + s, vrow_a), v_row(p0 + s + 1, vrow_b), H / 32, vp.data() + t * H);
         } else if (s < S) {
-          const auto* ar = reinterpret_cast<const uint16_t*>(a);
+          const auto* ar = reinterpret_cast<const uint16_t*>(v_row(p0 + s, vrow_a));
           for (int64_t d = 0; d < H; ++d) vp[t * H + d] = ar[d];
         }
       }
@@ -231,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
       const uint32_t* qk = qt.data() + kvh * RGT * KP * 16;
       for (int64_t rg0 = 0; rg0 < RGT; rg0 += kMaxRowGroupsPerPass)
         scores_pass(static_cast<int>(std::min<int64_t>(kMaxRowGroupsPerPass, RGT - rg0)), qk, KP, k_rows.data(), S_pad, RGT,
-                    rg0, fscale, sc.data());
+                    rg0, fscale, int8 ? kpos_scale.data() : nullptr, sc.data());
       // softmax lane-wise over positions: max, e^(s - max) to bf16 pairs, Σ in fp32
       pp.assign(pairs * RGT * 16, 0);
       std::vector<__m512> mx(RGT), sum(RGT);
@@ -249,6 +292,10 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
           if (s + 1 < S) {
             e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc.data() + ((s + 1) * RGT + rg) * 16), m));
             total = _mm512_add_ps(total, e1);
+          }
+          if (int8) {  // the V scale weights the probability (Σ above stays unscaled)
+            e0 = _mm512_mul_ps(e0, _mm512_set1_ps(vpos_scale[s]));
+            e1 = _mm512_mul_ps(e1, _mm512_set1_ps(vpos_scale[s + 1]));
           }
           const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
           const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));

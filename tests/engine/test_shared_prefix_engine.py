@@ -92,15 +92,16 @@ def _diverge_only_at_near_ties(on, off, margin=0.1):
                 break
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_on_the_cpu_kernels(tiny_model_dirs, dtype):
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
+def test_on_the_cpu_kernels(tiny_model_dirs, dtype, kv_cache_dtype):
     """bf16 on the kernels: the plan runs there (kernels/cascade_attention.cpp, in the fused
     step) and reads less, and the greedy tokens agree with the plain decode kernel's except
     after a near tie (bf16: the two orders of summation round differently; the issue asks for
     identical tokens in fp32, the kernels' numerics are in tests/kernels/
     test_shared_prefix_attention.py). fp32 on the kernels: the kernels do not take the plan,
     the plain decode kernel reads every history, nothing is counted as shared, and the tokens
-    are identical. head_dim 64, as the default model: the decode kernels take it."""
+    are identical. int8 KV runs the plan on the kernels too. head_dim 64, as the default
+    model: the decode kernels take it."""
     tiny_llama = tiny_model_dirs["llama-hd64"]
     vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
     prompts = _prompts(vocab, 6, seed=4)
@@ -108,7 +109,8 @@ def test_on_the_cpu_kernels(tiny_model_dirs, dtype):
 
     def run(mode):
         config = {"kv_cache_memory": "4MiB", "block_size": 4, "shared_prefix_min_positions": 4, "shared_prefix_min_group": 2}
-        llm = LLM(tiny_llama, dtype=dtype, device="cpu", cpu_kernels=True, shared_prefix_attention=mode, **config)
+        llm = LLM(tiny_llama, dtype=dtype, device="cpu", cpu_kernels=True, shared_prefix_attention=mode,
+                  kv_cache_dtype=kv_cache_dtype, **config)  # fmt: skip
         llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         return [(c.token_ids, c.logprobs) for o in llm.generate(prompts, params) for c in o.outputs], llm.engine
 
@@ -222,3 +224,33 @@ def test_prometheus_counters_and_bench_output(tiny_llama, tmp_path, capsys):
     assert on["shared_prefix_steps"] > 0 and off["shared_prefix_steps"] == 0
     assert on["kv_bytes_read_per_step"] < off["kv_bytes_read_per_step"] == off["kv_bytes_read_per_step_without_sharing"]
     assert on["kv_read_ratio"] > 1 and off["kv_read_ratio"] == 1
+
+
+def test_bench_profiles_decode_attention_time_per_step(tiny_model_dirs, tmp_path, capsys):
+    """--profile-attention: the kernels' profiler ranges (also inside the fused step) summed per
+    decode step, in the JSON and the printed report; the plain-torch path records none."""
+    import json
+
+    from kvserve.cli import main
+
+    model = tiny_model_dirs["llama-hd64"]
+    out = tmp_path / "thr.json"
+    base = ["bench", "throughput", "--model", model, "--num-prompts", "8", "--input-len", "8", "--output-len", "8",
+            "--shared-prefix-len", "64", "--kv-cache-memory", "4MiB", "--shared-prefix-min-positions", "16",
+            "--shared-prefix-min-group", "2", "--profile-attention", "--json", str(out)]
+    try:
+        code = main([*base, "--dtype", "bfloat16"])
+    except ConfigError as exc:  # no bf16 on this CPU
+        pytest.skip(str(exc))
+    assert code == 0
+    (ours,) = json.loads(out.read_text())["results"]["engines"]
+    printed = capsys.readouterr().out
+    if "decode_attention_ms_per_step" not in ours:
+        pytest.skip("the decode kernels are off on this CPU")
+    # 8 requests x 8 output tokens: one prefill step, then a decode step per later token
+    assert ours["decode_attention_steps"] >= 7 and ours["decode_attention_ms_per_step"] > 0
+    assert ours["shared_prefix_steps"] > 0
+    assert "decode attention" in printed and "ms per step" in printed
+    assert main([*base, "--dtype", "float32", "--no-cpu-kernels"]) == 0
+    (plain,) = json.loads(out.read_text())["results"]["engines"]
+    assert "decode_attention_ms_per_step" not in plain

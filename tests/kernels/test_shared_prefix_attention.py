@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from kvserve.attention.paged import dequantize_kv, quantize_kv
 from kvserve.kernels import cpu_ops, unavailable_reason
 
 ops = cpu_ops()
@@ -115,14 +116,38 @@ def test_shared_prefix_of_no_positions_is_empty():
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.all(lse == -math.inf))
 
 
-def test_shared_prefix_refuses_a_length_past_its_blocks_and_int8_pools():
+def test_shared_prefix_refuses_a_length_past_its_blocks_and_int8_pools_without_scales():
     q, k, v, prefix_blocks, _ = _group_case(2, 9, 3, 64, 32, [0, 0])
     with pytest.raises(RuntimeError, match="past its"):
         ops.shared_prefix_attention(q, k, v, prefix_blocks, 33, 0.125)
     k8, v8 = k.to(torch.int8), v.to(torch.int8)
-    scales = torch.ones(k.shape[:3])
-    with pytest.raises(RuntimeError, match="int8"):
-        ops.shared_prefix_attention(q, k8, v8, prefix_blocks, 32, 0.125, scales, scales)
+    with pytest.raises(RuntimeError, match="int8 pools need their contiguous float32 scales"):
+        ops.shared_prefix_attention(q, k8, v8, prefix_blocks, 32, 0.125)
+    with pytest.raises(RuntimeError, match="scales are for int8 pools only"):
+        ops.shared_prefix_attention(q, k, v, prefix_blocks, 32, 0.125, torch.ones(k.shape[:3]), torch.ones(k.shape[:3]))
+
+
+def _int8(k, v):
+    """bf16 pools quantized by the engine's rule (attention/paged.py quantize_kv), and the
+    values they stand for (the reference reads these)."""
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    return k8, v8, ks, vs, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("n, prefix_len", [(1, 16), (16, 2048), (5, 300), (40, 64)])
+def test_shared_prefix_on_int8_pools_matches_reference(num_heads, num_kv_heads, head_dim, n, prefix_len):
+    """int8 pools: each chunk's codes widened once (exact), K scales on the scores, V scales on
+    the probabilities; against the fp32 reference over the dequantized values."""
+    q, k, v, prefix_blocks, _ = _group_case(n, num_heads, num_kv_heads, head_dim, prefix_len, [0] * n)
+    k8, v8, ks, vs, kf, vf = _int8(k, v)
+    scale = head_dim**-0.5
+    out, lse = ops.shared_prefix_attention(q, k8, v8, prefix_blocks, prefix_len, scale, ks, vs)
+    slots = _slots(prefix_blocks, torch.arange(prefix_len))
+    for b in range(n):
+        ref_out, ref_lse = reference(q[b], kf, vf, slots, scale)
+        torch.testing.assert_close(out[b], ref_out, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(lse[b], ref_lse, atol=1e-4, rtol=1e-5)
 
 
 # ---- paged_decode_attention_lse --------------------------------------------------------------
@@ -167,6 +192,32 @@ def test_lse_decode_from_zero_is_the_decode_kernel(amx):
     finally:
         ops.set_amx_attention(True)
     assert torch.equal(out.bfloat16(), plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-q", "fp32-q"])
+def test_lse_decode_on_int8_pools_matches_reference_and_from_zero_is_the_int8_kernel(dtype):
+    ranges = [(0, 1), (16, 16), (32, 33), (7, 200), (0, 300), (160, 170)]  # (start, len); one empty
+    B = len(ranges)
+    max_blocks = -(-max(e for _, e in ranges) // BLOCK)
+    k, v = _pools(B * max_blocks + 1, 3, 64)
+    k8, v8, ks, vs, kf, vf = _int8(k, v)
+    tables = torch.randperm(B * max_blocks + 1, generator=torch.Generator().manual_seed(6))[: B * max_blocks]
+    tables = tables.view(B, max_blocks).to(torch.int32)
+    q = _queries(B, 9, 64, dtype)
+    starts = torch.tensor([s for s, _ in ranges], dtype=torch.int32)
+    lens = torch.tensor([e for _, e in ranges], dtype=torch.int32)
+    out, lse = ops.paged_decode_attention_lse(q, k8, v8, tables, lens, starts, 0.125, ks, vs)
+    for b, (s, e) in enumerate(ranges):
+        ref_out, ref_lse = reference(q[b], kf, vf, _slots(tables[b], torch.arange(s, e)), 0.125)
+        torch.testing.assert_close(out[b], ref_out, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(lse[b], ref_lse, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(torch.all(lse[1] == -math.inf))
+    # from 0: the int8 decode kernel's sums, whose output is this fp32 one rounded to q's dtype
+    live = lens > 0
+    zero_out, _ = ops.paged_decode_attention_lse(q[live], k8, v8, tables[live], lens[live],
+                                                 torch.zeros(int(live.sum()), dtype=torch.int32), 0.125, ks, vs)  # fmt: skip
+    plain = ops.paged_decode_attention(q[live], k8, v8, tables[live], lens[live], 0.125, ks, vs)
+    assert torch.equal(zero_out.to(dtype), plain)
 
 
 def test_lse_decode_refuses_a_start_past_the_length():
@@ -304,6 +355,19 @@ def test_cascade_plan_in_one_call_is_its_parts_bitwise(num_heads, num_kv_heads, 
     assert out.dtype == torch.bfloat16 and torch.equal(out, acc.bfloat16())
     for b in range(q.shape[0]):
         ref_out, _ = reference(q[b], k, v, _slots(table[b], torch.arange(int(lens[b]))), scale)
+        torch.testing.assert_close(out[b].float(), ref_out, atol=TOL, rtol=TOL)
+
+
+def test_cascade_plan_on_int8_pools_agrees_with_one_softmax():
+    q, k, v, table, lens, starts, levels = _nested_plan_case(9, 3, 64)
+    k8, v8, ks, vs, kf, vf = _int8(k, v)
+    plan = ops.DecodeCascade(
+        suffix_start=starts,
+        levels=[ops.CascadeLevel(members=m, blocks=b, num_positions=p) for m, b, p in levels],
+    )
+    out = ops.cascade_decode_attention(q, k8, v8, table, lens, plan, 0.125, ks, vs)
+    for b in range(q.shape[0]):
+        ref_out, _ = reference(q[b], kf, vf, _slots(table[b], torch.arange(int(lens[b]))), 0.125)
         torch.testing.assert_close(out[b].float(), ref_out, atol=TOL, rtol=TOL)
 
 
