@@ -224,6 +224,47 @@ def _any_first_block_shared(block_tables: list[list[int]], context_lens: list[in
     return False
 
 
+# ---- prefill chunks over a shared cached prefix ---------------------------------------------
+
+# A shared prefix of prefill segments is cut to a multiple of this many positions: the prefill
+# kernel's packed K tiles come in groups of 4 blocks of 16 keys and its V tiles in pairs of 32
+# keys, so a member can read the leader's tiles up to there and its own after, in one pass.
+PREFILL_SHARE_MULTIPLE = 64
+
+
+def find_shared_prefill_prefixes(
+    block_tables: list[list[int]], num_cached: list[int], block_size: int, min_group_size: int = 2,
+) -> list[tuple[int, int]] | None:
+    """For prefill segments (several new prompts that hit the same cached system prompt in
+    one step): per segment (leader, shared_len). A group's members share the leader's cached
+    positions [0, shared_len) (the outermost level of `find_shared_prefix_groups` over the
+    cached part, cut to PREFILL_SHARE_MULTIPLE); the leader (its first member) and segments in
+    no group have (itself, 0). Every member's queries see all of the shared part (it lies
+    before each chunk), so attention reads it once for the group and the result is the same,
+    bit for bit, as reading it per segment. None when no group forms."""
+    if len(block_tables) < max(min_group_size, 2):
+        return None
+    plan = find_shared_prefix_groups(
+        block_tables, [n + 1 for n in num_cached], block_size, -(-PREFILL_SHARE_MULTIPLE // block_size), min_group_size
+    )
+    sharing = [(i, 0) for i in range(len(block_tables))]
+    found = False
+    for level in plan.levels:
+        length = level.end // PREFILL_SHARE_MULTIPLE * PREFILL_SHARE_MULTIPLE
+        if level.parent is not None or length == 0:
+            continue
+        leader = level.members[0]
+        for r in level.members[1:]:
+            sharing[r] = (leader, length)
+        found = True
+    return sharing if found else None
+
+
+def prefill_positions_read_once(sharing: list[tuple[int, int]] | None) -> int:
+    """Positions a step's prefill attention no longer reads with `sharing`: each member's shared part."""
+    return sum(length for _, length in sharing) if sharing else 0
+
+
 # ---- the math: attention parts with their log-sum-exp, and the merge ---------------------
 
 

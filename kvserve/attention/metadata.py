@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from kvserve.attention.cascade import CascadePlan
+from kvserve.attention.cascade import CascadePlan, prefill_positions_read_once
 
 
 @dataclasses.dataclass
@@ -54,28 +54,37 @@ class AttentionMetadata:
     # positions (all layers' K and V, c_kv each) this step's attention reads scanning every
     # request's history alone: Σ decode context lengths + Σ prefill segments' S0 + m
     kv_positions_read: int = 0
+    # prefill segments over a shared cached prefix (attention/cascade.py
+    # find_shared_prefill_prefixes): per segment (leader, shared_len), the leader's positions
+    # [0, shared_len) read once for all its members; None: every segment reads its own
+    prefill_sharing: list[tuple[int, int]] | None = None
     _groups: tuple[list[FreshGroup], list[PrefillSegment]] | None = dataclasses.field(default=None, repr=False)
     _kernel_args: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     def kv_positions_read_with_sharing(self) -> int:
         """What the step actually read: with a plan the attention path applied, each shared
         level once per group and the suffixes; otherwise the same as `kv_positions_read`."""
+        read = self.kv_positions_read - prefill_positions_read_once(self.prefill_sharing)
         plan = self.cascade
         if plan is None or not plan.applied:
-            return self.kv_positions_read
-        return self.kv_positions_read - plan.positions_read_per_request() + plan.positions_read_once()
+            return read
+        return read - plan.positions_read_per_request() + plan.positions_read_once()
 
-    def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the prefill kernel reads (`ops.paged_prefill_attention`): every segment's
-        context slots back to back (int64), and per segment (query_start, m, S0, offset of its
-        slots) as an int64 [n, 4]. Built on the first layer's call and kept for the others."""
+        context slots back to back (int64), per segment (query_start, m, S0, offset of its
+        slots) as an int64 [n, 4], and the shared prefixes as int64 [n, 2] (leader,
+        shared_len), or None. Built on the first layer's call and kept for the others."""
         if self._kernel_args is None:
             rows, offset = [], 0
             for seg in self.prefills:
                 rows.append((seg.query_start, seg.num_new, seg.num_cached, offset))
                 offset += seg.context_slots.numel()
             slots = torch.cat([seg.context_slots for seg in self.prefills]).to(torch.long)
-            self._kernel_args = (slots, torch.tensor(rows, dtype=torch.long).view(-1, 4))
+            shared = None
+            if self.prefill_sharing is not None:
+                shared = torch.tensor(self.prefill_sharing, dtype=torch.long).view(-1, 2)
+            self._kernel_args = (slots, torch.tensor(rows, dtype=torch.long).view(-1, 4), shared)
         return self._kernel_args
 
     def prefill_groups(self) -> tuple[list[FreshGroup], list[PrefillSegment]]:

@@ -108,11 +108,28 @@ def prefill_attention(
             v = v.repeat_interleave(g, dim=1)
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
         out[rows] = o.transpose(1, 2).reshape(n * m, num_heads, head_dim)
+    # a shared cached prefix (meta.prefill_sharing) is gathered once, by its leader, and each
+    # member gathers only its positions after it: the same K/V values, so the same result
+    reads: dict[int, tuple[int, int]] = {}  # id(segment) -> (leader, shared_len), the leader's own included
+    shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, (leader, length) in enumerate(meta.prefill_sharing or ()):
+        if length:
+            reads[id(meta.prefills[i])] = reads[id(meta.prefills[leader])] = (leader, length)
+    for leader, length in set(reads.values()):
+        slots = meta.prefills[leader].context_slots[:length]
+        shared_kv[leader] = (gather(k_pool, slots, k_scale, q.dtype), gather(v_pool, slots, v_scale, q.dtype))
     for seg in alone:
         m = seg.num_new
         qs = q[seg.query_start : seg.query_start + m].transpose(0, 1).unsqueeze(0)  # [1, N_q, m, H]
-        k = gather(k_pool, seg.context_slots, k_scale, q.dtype).transpose(0, 1)  # [N_kv, S0+m, H]
-        v = gather(v_pool, seg.context_slots, v_scale, q.dtype).transpose(0, 1)
+        leader, length = reads.get(id(seg), (0, 0))
+        if length:
+            ks, vs = shared_kv[leader]
+            own = seg.context_slots[length:]
+            k = torch.cat([ks[:length], gather(k_pool, own, k_scale, q.dtype)]).transpose(0, 1)  # [N_kv, S0+m, H]
+            v = torch.cat([vs[:length], gather(v_pool, own, v_scale, q.dtype)]).transpose(0, 1)
+        else:
+            k = gather(k_pool, seg.context_slots, k_scale, q.dtype).transpose(0, 1)  # [N_kv, S0+m, H]
+            v = gather(v_pool, seg.context_slots, v_scale, q.dtype).transpose(0, 1)
         if g > 1:
             k = k.repeat_interleave(g, dim=0)
             v = v.repeat_interleave(g, dim=0)
@@ -170,8 +187,8 @@ def paged_attention(
             out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale, k_scale, v_scale)
     if meta.prefills:
         if prefill_ops is not None:
-            slots, segments = meta.prefill_kernel_args()
-            prefill_ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out, k_scale, v_scale)
+            slots, segments, shared = meta.prefill_kernel_args()
+            prefill_ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out, k_scale, v_scale, shared)
         else:
             prefill_attention(q, k_pool, v_pool, meta, scale, out, k_scale, v_scale)
     return out

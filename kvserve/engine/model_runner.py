@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from kvserve.attention.cascade import SharedPrefixRule
+from kvserve.attention.cascade import SharedPrefixRule, find_shared_prefill_prefixes
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -146,6 +146,14 @@ class ModelRunner:
 
         decode_slots = decode_mask = decode_lens = decode_tables = cascade = None
         kv_positions_read = sum(seg.num_cached + seg.num_new for seg in prefills)
+        # several prompt chunks over the same cached prefix read it once; the result is the
+        # same bits either way (attention/cascade.py), so no cost rule beyond the flag
+        prefill_sharing = None
+        if self.shared_prefix_attention == "auto" and len(prefills) > 1:
+            prefill_reqs = [s for s in ordered if s.num_new_tokens > 1]
+            prefill_sharing = find_shared_prefill_prefixes(
+                [block_tables[s.request.request_id] for s in prefill_reqs], [seg.num_cached for seg in prefills], bs
+            )
         if decodes:
             lens_list = [s.request.num_computed_tokens + 1 for s in decodes]
             kv_positions_read += sum(lens_list)
@@ -183,6 +191,7 @@ class ModelRunner:
             prefills=prefills,
             cascade=cascade,
             kv_positions_read=kv_positions_read,
+            prefill_sharing=prefill_sharing,
         )
         return StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

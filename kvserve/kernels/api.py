@@ -433,9 +433,11 @@ class CpuOps(Protocol):
         out: torch.Tensor,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        shared: torch.Tensor | None = None,
     ) -> None:
         """Causal attention of prompt tokens over the paged pool, written into out at the segments' rows.
-        int8 pools come with their scales."""
+        int8 pools come with their scales. `shared` int64 [n, 2] (leader, shared_len): a segment's first
+        shared_len positions (a multiple of 64 within its history) are read from its leader's packed K/V."""
 
     def linear(self, x: torch.Tensor, projection: Projection) -> torch.Tensor:
         """y = x @ W.T (+ b), the kernel chosen by x's rows from the projection's fields (kernels.h)."""

@@ -62,7 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prompt tokens over the paged KV pool on AMX tiles, into out (int8 pools with their scales)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("segments"), py::arg("scale"),
-        py::arg("out"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("out"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("shared") = py::none());
   m.def(
       "limits",
       [] {

@@ -174,11 +174,14 @@ at::Tensor cascade_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor 
 
 // ---- prefill_attention.cpp ----------------------------------------------------------------
 
-// bf16 queries over bf16 pools, or int8 pools with their scales (as paged_decode_attention)
+// bf16 queries over bf16 pools, or int8 pools with their scales (as paged_decode_attention);
+// `shared` int64 [n, 2] (leader, shared_len): segments over a shared cached prefix read its
+// packed K/V from their leader (the pool read once for the group; the same bits).
 void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
                              at::Tensor segments, double scale, at::Tensor out,
                              c10::optional<at::Tensor> k_scale = c10::nullopt,
-                             c10::optional<at::Tensor> v_scale = c10::nullopt);
+                             c10::optional<at::Tensor> v_scale = c10::nullopt,
+                             c10::optional<at::Tensor> shared = c10::nullopt);
 
 // ---- norm_rope_act.cpp --------------------------------------------------------------------
 

@@ -127,15 +127,19 @@ void pack_values(const uint16_t* v_pool, int64_t row_elems, int64_t head, const 
 // b + t·b_step + i·b_next (packed pairs, 1 KiB each), alternating between tiles 6 and 7 so a
 // load never waits on the product still reading the other. C tile i goes to out + 16 i,
 // rows out_ld bytes apart.
+//
+// Steps from t2 on read their B tiles from b2 + (t - t2)·b_step instead (a shared prefix's
+// tiles packed by another segment, then this segment's own): the same sums in the same order.
 void four_products(const uint16_t* a, int64_t a_step, int64_t a_stride, const uint32_t* b, int64_t b_step,
-                   int64_t b_next, int64_t steps, int64_t group, float* out, int64_t out_ld) {
+                   int64_t b_next, int64_t steps, int64_t group, float* out, int64_t out_ld, const uint32_t* b2,
+                   int64_t t2) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t t = 0; t < steps; ++t) {
     _tile_loadd(4, a + t * a_step, a_stride);
-    const uint32_t* bt = b + t * b_step;
+    const uint32_t* bt = t < t2 ? b + t * b_step : b2 + (t - t2) * b_step;
     _tile_loadd(6, bt, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (group > 1) {
@@ -163,7 +167,7 @@ void four_products(const uint16_t* a, int64_t a_step, int64_t a_stride, const ui
 // accumulators in registers (16 for G = 4) while B streams from L1/L2.
 template <int G>
 void vec_products_g(const uint16_t* a, int64_t a_step, int64_t a_stride, const uint32_t* b, int64_t b_step,
-                    int64_t b_next, int64_t steps, float* out, int64_t out_ld) {
+                    int64_t b_next, int64_t steps, float* out, int64_t out_ld, const uint32_t* b2, int64_t t2) {
   constexpr int R = 4;
   const auto* a_bytes = reinterpret_cast<const char*>(a);
   for (int r0 = 0; r0 < kQueries; r0 += R) {
@@ -171,7 +175,7 @@ void vec_products_g(const uint16_t* a, int64_t a_step, int64_t a_stride, const u
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < G; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < steps; ++t) {
-      const uint32_t* bt = b + t * b_step;
+      const uint32_t* bt = t < t2 ? b + t * b_step : b2 + (t - t2) * b_step;
       const char* at = a_bytes + t * a_step * 2 + r0 * a_stride;
       for (int kp = 0; kp < 16; ++kp) {
         __m512bh bv[G];
@@ -191,26 +195,40 @@ void vec_products_g(const uint16_t* a, int64_t a_step, int64_t a_stride, const u
 }
 
 void vec_products(const uint16_t* a, int64_t a_step, int64_t a_stride, const uint32_t* b, int64_t b_step,
-                  int64_t b_next, int64_t steps, int64_t group, float* out, int64_t out_ld) {
+                  int64_t b_next, int64_t steps, int64_t group, float* out, int64_t out_ld, const uint32_t* b2,
+                  int64_t t2) {
   switch (group) {
-    case 1: vec_products_g<1>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
-    case 2: vec_products_g<2>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
-    case 3: vec_products_g<3>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
-    default: vec_products_g<4>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld); break;
+    case 1: vec_products_g<1>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld, b2, t2); break;
+    case 2: vec_products_g<2>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld, b2, t2); break;
+    case 3: vec_products_g<3>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld, b2, t2); break;
+    default: vec_products_g<4>(a, a_step, a_stride, b, b_step, b_next, steps, out, out_ld, b2, t2); break;
   }
 }
 
 using ProductsFn = void (*)(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, int64_t, int64_t,
-                            float*, int64_t);
+                            float*, int64_t, const uint32_t*, int64_t);
+
+// A segment's packed K (or V) tiles: positions before `shared_keys` from `shared` (the tiles
+// its leader packed), the rest from `own` (packed from position shared_keys on).
+struct TileSource {
+  const uint32_t* shared;
+  const uint32_t* own;
+  int64_t shared_keys;
+};
 
 // S[16][ld] (fp32) = Q tile rows · Kᵀ for key blocks [0, blocks), four blocks per pass over
 // Q's chunks. Q's chunk tiles come from `qa` (16 rows, `q_stride` bytes apart), the K tiles
 // from `kp` (packed by pack_keys: [block][chunk] tiles).
-void block_scores(ProductsFn products, const uint16_t* qa, int64_t q_stride, const uint32_t* kp, int64_t chunks,
+// With a shared part (its length a multiple of 4 key blocks), the groups of 4 blocks before it
+// read the shared tiles and the rest the segment's own; each score is one product either way.
+void block_scores(ProductsFn products, const uint16_t* qa, int64_t q_stride, const TileSource& kp, int64_t chunks,
                   int64_t blocks, float* s, int64_t ld) {
-  for (int64_t j0 = 0; j0 < blocks; j0 += 4)
-    products(qa, 32, q_stride, kp + j0 * chunks * 256, 256, chunks * 256, chunks,
-             std::min<int64_t>(4, blocks - j0), s + j0 * kKeyBlock, ld * 4);
+  const int64_t shared_blocks = kp.shared_keys / kKeyBlock;
+  for (int64_t j0 = 0; j0 < blocks; j0 += 4) {
+    const uint32_t* tiles = j0 < shared_blocks ? kp.shared + j0 * chunks * 256 : kp.own + (j0 - shared_blocks) * chunks * 256;
+    products(qa, 32, q_stride, tiles, 256, chunks * 256, chunks, std::min<int64_t>(4, blocks - j0), s + j0 * kKeyBlock,
+             ld * 4, nullptr, chunks);
+  }
 }
 
 // Row r of S: scale, softmax over its first `visible` keys, bf16 probabilities into p (zeros
@@ -259,11 +277,14 @@ void softmax_row(float* s, int64_t visible, int64_t width, float scale, uint16_t
 
 // O[16][D] (fp32) = P[16][32·pairs] · V for the packed V of one KV head ([pair block][chunk
 // of 16 features] tiles), four feature chunks per pass over the probabilities.
-void block_values(ProductsFn products, const uint16_t* p, int64_t p_ld, const uint32_t* vp, int64_t chunks,
+// With a shared part, the pair blocks before it come from the shared tiles, in the same sum.
+void block_values(ProductsFn products, const uint16_t* p, int64_t p_ld, const TileSource& vp, int64_t chunks,
                   int64_t pairs, float* o) {
+  const int64_t shared_pairs = vp.shared_keys / kKeyPair;
+  const uint32_t* first = shared_pairs ? vp.shared : vp.own;
   for (int64_t c0 = 0; c0 < chunks; c0 += 4)
-    products(p, kKeyPair, p_ld * 2, vp + c0 * 256, chunks * 256, 256, pairs, std::min<int64_t>(4, chunks - c0),
-             o + c0 * 16, chunks * 16 * 4);
+    products(p, kKeyPair, p_ld * 2, first + c0 * 256, chunks * 256, 256, pairs, std::min<int64_t>(4, chunks - c0),
+             o + c0 * 16, chunks * 16 * 4, vp.own + c0 * 256, shared_pairs ? shared_pairs : pairs);
 }
 
 }  // namespace
@@ -272,9 +293,13 @@ void block_values(ProductsFn products, const uint16_t* p, int64_t p_ld, const ui
 // block_size, N_kv, D] bf16, or int8 with their scales k_scale / v_scale [num_blocks,
 // block_size, N_kv] fp32; slots: int64, every segment's context slots back to back;
 // segments: int64 [n, 4] = (query_start, num_new, num_cached, slot_offset).
+// shared: int64 [n, 2] = (leader, shared_len) per segment, or none: a member's first
+// shared_len positions (a multiple of 64, within its cached history) are its leader's, whose
+// packed tiles it reads instead of packing them again (the pool read once per group; the
+// same products, so the same bits). A leader and a segment alone have (itself, 0).
 void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
                              at::Tensor segments, double scale, at::Tensor out, c10::optional<at::Tensor> k_scale,
-                             c10::optional<at::Tensor> v_scale) {
+                             c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> shared) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && out.sizes() == q.sizes(), "paged_prefill_attention: shapes");
   const bool int8 = k_pool.scalar_type() == at::kChar;
   const auto pool_type = int8 ? at::kChar : at::kBFloat16;
@@ -303,15 +328,38 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   const int64_t* seg = segments.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t k_chunks = D / 32, v_chunks = D / 16;
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(seg[i * 4 + 3] + seg[i * 4 + 1] + seg[i * 4 + 2] <= slots.numel() && seg[i * 4] + seg[i * 4 + 1] <= q.size(0),
+                "segment ", i, " out of range");
+  // each segment's (leader, shared_len), checked: the shared slots must be the leader's
+  std::vector<int64_t> leader_of(n), shared_len(n, 0);
+  for (int64_t i = 0; i < n; ++i) leader_of[i] = i;
+  if (shared) {
+    TORCH_CHECK(shared->scalar_type() == at::kLong && shared->dim() == 2 && shared->size(0) == n && shared->size(1) == 2,
+                "paged_prefill_attention: shared must be int64 [n, 2] (leader, shared_len)");
+    const at::Tensor sh = shared->contiguous();
+    const int64_t* sp = sh.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t lead = sp[i * 2], len = sp[i * 2 + 1];
+      if (len == 0) continue;
+      TORCH_CHECK(0 <= lead && lead < n && lead != i && sp[lead * 2 + 1] == 0 && len % 64 == 0 && len <= seg[i * 4 + 2] &&
+                      len <= seg[lead * 4 + 1] + seg[lead * 4 + 2],
+                  "paged_prefill_attention: segment ", i, " shares ", len, " positions of segment ", lead,
+                  ": a leader sharing nothing itself, a multiple of 64 within both histories");
+      TORCH_CHECK(std::equal(slot + seg[i * 4 + 3], slot + seg[i * 4 + 3] + len, slot + seg[lead * 4 + 3]),
+                  "paged_prefill_attention: segment ", i, "'s first ", len, " slots are not segment ", lead, "'s");
+      leader_of[i] = lead;
+      shared_len[i] = len;
+    }
+  }
 
-  // phase 1: pack K and V per (segment, KV head)
+  // phase 1: pack K and V per (segment, KV head); a member only its positions after the shared part
   std::vector<PackedKV> packed(n * num_kv);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t ctx = seg[i * 4 + 1] + seg[i * 4 + 2];
-    TORCH_CHECK(seg[i * 4 + 3] + ctx <= slots.numel() && seg[i * 4] + seg[i * 4 + 1] <= q.size(0), "segment ", i, " out of range");
-    const int64_t k_size = (ctx + kKeyBlock - 1) / kKeyBlock * k_chunks * 256;
-    const int64_t v_size = (ctx + kKeyPair - 1) / kKeyPair * v_chunks * 256;
+    const int64_t ctx = seg[i * 4 + 1] + seg[i * 4 + 2], own = ctx - shared_len[i];
+    const int64_t k_size = (own + kKeyBlock - 1) / kKeyBlock * k_chunks * 256;
+    const int64_t v_size = (own + kKeyPair - 1) / kKeyPair * v_chunks * 256;
     const int64_t scale_size = int8 ? 2 * ((ctx + kKeyPair - 1) / kKeyPair * kKeyPair) : 0;  // K's, then V's
     for (int64_t h = 0; h < num_kv; ++h) {
       packed[i * num_kv + h] = {total, total + k_size, total + k_size + v_size};
@@ -324,9 +372,10 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
     for (int64_t u = b; u < e; ++u) {
       const int64_t i = u / num_kv, h = u % num_kv, ctx = seg[i * 4 + 1] + seg[i * 4 + 2];
       const int64_t* s = slot + seg[i * 4 + 3];
+      const int64_t skip = shared_len[i];  // the leader packed these
       if (int8) {
-        pack_keys_int8(k_pool.data_ptr<int8_t>(), num_kv * D, h, s, ctx, D, buf + packed[u].k_offset);
-        pack_values_int8(v_pool.data_ptr<int8_t>(), num_kv * D, h, s, ctx, D, buf + packed[u].v_offset);
+        pack_keys_int8(k_pool.data_ptr<int8_t>(), num_kv * D, h, s + skip, ctx - skip, D, buf + packed[u].k_offset);
+        pack_values_int8(v_pool.data_ptr<int8_t>(), num_kv * D, h, s + skip, ctx - skip, D, buf + packed[u].v_offset);
         // the keys' scales, zero past ctx (those keys' probabilities are zero anyway)
         const int64_t padded = (ctx + kKeyPair - 1) / kKeyPair * kKeyPair;
         float* ks = reinterpret_cast<float*>(buf + packed[u].scale_offset);
@@ -338,10 +387,10 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
           vs[key] = key < ctx ? v_sc[s[key] * num_kv + h] : 0.f;
         }
       } else {
-        pack_keys(reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>()), num_kv * D / 2, h, s, ctx, D,
-                  buf + packed[u].k_offset);
-        pack_values(reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), num_kv * D, h, s, ctx, D,
-                    buf + packed[u].v_offset);
+        pack_keys(reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>()), num_kv * D / 2, h, s + skip,
+                  ctx - skip, D, buf + packed[u].k_offset);
+        pack_values(reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), num_kv * D, h, s + skip,
+                    ctx - skip, D, buf + packed[u].v_offset);
       }
     }
   });
@@ -380,7 +429,10 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
         q_stride = D * 2;
       }
       const PackedKV& kv = packed[i * num_kv + h / g];
-      block_scores(products, qa, q_stride, buf + kv.k_offset, k_chunks, (seen + kKeyBlock - 1) / kKeyBlock, s_buf.data(), width);
+      const PackedKV& lead = packed[leader_of[i] * num_kv + h / g];
+      const TileSource k_tiles{buf + lead.k_offset, buf + kv.k_offset, shared_len[i]};
+      const TileSource v_tiles{buf + lead.v_offset, buf + kv.v_offset, shared_len[i]};
+      block_scores(products, qa, q_stride, k_tiles, k_chunks, (seen + kKeyBlock - 1) / kKeyBlock, s_buf.data(), width);
       for (int64_t r = 0; r < kQueries; ++r) {
         uint16_t* p = p_buf.data() + r * width;
         if (r >= rows) {
@@ -393,7 +445,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
           softmax_row<false>(s_buf.data() + r * width, s0 + first + r + 1, width, fscale, p);
         }
       }
-      block_values(products, p_buf.data(), width, buf + kv.v_offset, v_chunks, width / kKeyPair, o_buf.data());
+      block_values(products, p_buf.data(), width, v_tiles, v_chunks, width / kKeyPair, o_buf.data());
       for (int64_t r = 0; r < rows; ++r) {
         at::BFloat16* dst = op + (q0 + first + r) * row_elems + h * D;
         for (int64_t d = 0; d < D; d += 16)

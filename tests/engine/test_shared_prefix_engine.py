@@ -99,8 +99,8 @@ def test_on_the_cpu_kernels(tiny_model_dirs, dtype, kv_cache_dtype):
     after a near tie (bf16: the two orders of summation round differently; the issue asks for
     identical tokens in fp32, the kernels' numerics are in tests/kernels/
     test_shared_prefix_attention.py). fp32 on the kernels: the kernels do not take the plan,
-    the plain decode kernel reads every history, nothing is counted as shared, and the tokens
-    are identical. int8 KV runs the plan on the kernels too. head_dim 64, as the default
+    the plain decode kernel reads every history, no decode step is counted as shared, and the
+    tokens are identical. int8 KV runs the plan on the kernels too. head_dim 64, as the default
     model: the decode kernels take it."""
     tiny_llama = tiny_model_dirs["llama-hd64"]
     vocab = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
@@ -128,8 +128,7 @@ def test_on_the_cpu_kernels(tiny_model_dirs, dtype, kv_cache_dtype):
         _diverge_only_at_near_ties(on, off)
     else:
         assert [ids for ids, _ in on] == [ids for ids, _ in off]
-        assert counters.shared_prefix_steps == 0
-        assert counters.attention_kv_bytes_read == counters.attention_kv_bytes_read_without_sharing
+        assert counters.shared_prefix_steps == 0  # (prompt chunks over the cached prefix still read it once)
 
 
 def test_fused_decode_step_runs_the_plan_with_the_layer_by_layer_bits(tiny_model_dirs):
@@ -254,3 +253,36 @@ def test_bench_profiles_decode_attention_time_per_step(tiny_model_dirs, tmp_path
     assert main([*base, "--dtype", "float32", "--no-cpu-kernels"]) == 0
     (plain,) = json.loads(out.read_text())["results"]["engines"]
     assert "decode_attention_ms_per_step" not in plain
+
+
+@pytest.mark.parametrize("dtype, cpu_kernels", [("float32", False), ("bfloat16", True)], ids=["fp32-torch", "bf16-kernels"])
+def test_new_prompts_over_a_cached_prefix_read_it_once_with_the_same_bits(tiny_model_dirs, dtype, cpu_kernels):
+    """Several new prompts that hit the same cached system prompt in one step: their prefill
+    chunks read the shared K/V once (the plain-torch path gathers it once, the kernel reads the
+    leader's packed tiles), and the logprobs are identical to reading it per prompt, in bf16
+    on the kernels too. The decode plan is kept off here (a group of 1,000), so only the
+    prefill sharing differs between the runs."""
+    model = tiny_model_dirs["llama-hd64"]
+    vocab = LLM(model, dtype="float32", device="cpu", cpu_kernels=False).engine.arch.vocab_size
+    prompts = _prompts(vocab, 6, prefix_len=130, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs, counters = [], []
+    for mode in ("auto", "off"):
+        try:
+            llm = LLM(model, dtype=dtype, device="cpu", cpu_kernels=cpu_kernels, shared_prefix_attention=mode,
+                      kv_cache_memory="8MiB", block_size=16, shared_prefix_min_group=1000)  # fmt: skip
+        except ConfigError as exc:  # no bf16 on this CPU
+            pytest.skip(str(exc))
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1))  # the prefix into the cache
+        before = llm.engine.counters.attention_kv_bytes_read, llm.engine.counters.attention_kv_bytes_read_without_sharing
+        outs = llm.generate(prompts, params)
+        c = llm.engine.counters
+        counters.append((c.attention_kv_bytes_read - before[0], c.attention_kv_bytes_read_without_sharing - before[1]))
+        assert c.shared_prefix_steps == 0
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert runs[0] == runs[1]
+    (read_on, unshared_on), (read_off, unshared_off) = counters
+    assert read_off == unshared_off == unshared_on
+    # the 6 prompts' first step: 5 of them read the leader's 128 cached positions (130 cut to 64s)
+    c_kv = LLM(model, dtype=dtype, device="cpu", cpu_kernels=False).engine.layout.kv_bytes_per_position
+    assert unshared_on - read_on == 5 * 128 * c_kv

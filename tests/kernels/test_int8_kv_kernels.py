@@ -137,7 +137,7 @@ def test_int8_prefill_attention_matches_the_torch_int8_reference(amx, num_heads,
     expected = torch.empty(q.shape)
     prefill_attention(q.float(), kq, vq, meta, scale, expected, ks, vs)
     got = torch.full_like(q, float("nan"))
-    slots, segs = meta.prefill_kernel_args()
+    slots, segs, _ = meta.prefill_kernel_args()
     ops.set_amx_attention(amx)
     try:
         ops.paged_prefill_attention(q, kq, vq, slots, segs, scale, got, ks, vs)

@@ -142,7 +142,7 @@ def test_prefill_attention_kernel_matches_reference(amx, num_heads, num_kv_heads
     expected = torch.empty(q.shape)
     prefill_attention(q.float(), k.float(), v.float(), meta, scale, expected)
     got = torch.full_like(q, float("nan"))
-    slots, segs = meta.prefill_kernel_args()
+    slots, segs, _ = meta.prefill_kernel_args()
     ops.set_amx_attention(amx)
     try:
         ops.paged_prefill_attention(q, k, v, slots, segs, scale, got)
@@ -159,7 +159,7 @@ def test_prefill_attention_kernel_writes_only_its_rows():
     for seg in meta.prefills:
         seg.query_start += 3
     out = torch.full_like(q, 7.0)
-    slots, segs = meta.prefill_kernel_args()
+    slots, segs, _ = meta.prefill_kernel_args()
     ops.paged_prefill_attention(q, k, v, slots, segs, 64**-0.5, out)
     assert (out[:3] == 7).all() and torch.isfinite(out[3:].float()).all() and not (out[3:] == 7).all()
 
