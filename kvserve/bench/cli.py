@@ -57,6 +57,9 @@ def register(subparsers) -> None:
     thr.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, given out round robin (default 1)")
     thr.add_argument("--profile-attention", action="store_true",
                      help="run kvserve under torch.profiler and report its decode attention time per step (CPU kernels only)")
+    thr.add_argument("--shared-prefix-attention-ab", action="store_true",
+                     help="with the profiler, alternate steps with and without shared-prefix attention in one run and "
+                     "report the decode attention time per step of each (a comparison that holds on a noisy machine)")
     _add_llama_cpp(thr)
     _add_outputs(thr, plot=True)
     add_engine_args(thr)

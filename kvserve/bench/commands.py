@@ -218,7 +218,8 @@ def throughput(args: argparse.Namespace) -> int:
         if args.rounds > 1:  # the host's memory bandwidth moves; kvserve's decode is bound by it
             round_read_gb_s.append(_read_gb_s_in_child())
         print(f"kvserve: {workload.num_requests} requests{label} …", file=sys.stderr)
-        runs = [run_kvserve(llm, workload, warmup, profile_attention=args.profile_attention)]
+        runs = [run_kvserve(llm, workload, warmup, profile_attention=args.profile_attention,
+                            alternate_shared_prefix=args.shared_prefix_attention_ab)]  # fmt: skip
         for mode in modes if args.compare == "hf" else []:
             print(f"transformers {mode}: {workload.num_requests} requests (own process){label} …", file=sys.stderr)
             runs.append(run_hf_peer(mode, spec, workload))

@@ -72,6 +72,12 @@ def print_throughput(results: dict[str, Any], console: Console | None = None) ->
     if "decode_attention_ms_per_step" in ours:
         console.print(f"kvserve: decode attention {ours['decode_attention_ms_per_step']:.2f} ms per step "
                       f"(torch.profiler, {ours['decode_attention_steps']} decode steps)")
+    ab = ours.get("decode_attention_ab")
+    if ab and "auto" in ab and "off" in ab:
+        on, off = ab["auto"]["decode_attention_ms_per_step"], ab["off"]["decode_attention_ms_per_step"]
+        console.print(f"kvserve: steps alternating in one run: decode attention {off:.2f} ms per step read per request "
+                      f"({ab['off']['decode_attention_steps']} steps), {on:.2f} ms with shared-prefix attention "
+                      f"({ab['auto']['decode_attention_steps']} steps): x{off / on:.2f}")
     for peer in results.get("ratios", {}):
         per_round = [f"{r[peer]:.2f}" for r in results.get("round_ratios", []) if peer in r]
         if per_round:

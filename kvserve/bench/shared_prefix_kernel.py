@@ -6,10 +6,17 @@ Not a test: for each workload, one decode step's attention of every layer (each 
 pools, as in the model, so the shared prefix is not warm in the cache from the previous layer's
 call), timed as
   plain    paged_decode_attention over each request's whole history;
-  cascade  shared_prefix_attention per group + paged_decode_attention_lse over the private
-           suffixes + merge_attention_states to bf16;
+  cascade  cascade_decode_attention, the call the fused decode step makes per layer: each
+           row's suffix, then shared_prefix_attention per group, merged in place;
 and printed as ms per layer-call (the fastest of --repeats sweeps) and their ratio. Default model shapes (SmolLM2: 9 query heads,
 3 KV heads, head_dim 64), bf16 pools, 16-position blocks.
+
+Both do the same multiply-adds (each query against each of its positions, QK and PV), so
+each is also given as GMAC/s beside a roofline measured in the same run: a bf16 GEMM of
+torch's (oneDNN) on 2048 x 2048 matrices, about the best these cores do on bf16 products.
+Reading a prefix once saves memory traffic, not arithmetic: where the plain kernel already
+runs near that rate, reading once cannot be much faster.
+
 """
 
 from __future__ import annotations
@@ -74,13 +81,17 @@ def run_case(ops, groups, per_group, prefix_len, private, layers, repeats, shape
         k, v = pools[layer]
         return ops.paged_decode_attention(q, k, v, tables, lens, scale)
 
+    plan = ops.DecodeCascade(
+        suffix_start=starts,
+        levels=[
+            ops.CascadeLevel(members=torch.arange(i * per_group, (i + 1) * per_group), blocks=pb, num_positions=prefix_len)
+            for i, pb in enumerate(prefixes)
+        ],
+    )
+
     def cascade(layer):
         k, v = pools[layer]
-        parts = [ops.shared_prefix_attention(gq, k, v, pb, prefix_len, scale) for gq, pb in zip(group_q, prefixes)]
-        pre_out = parts[0][0] if groups == 1 else torch.cat([p[0] for p in parts])
-        pre_lse = parts[0][1] if groups == 1 else torch.cat([p[1] for p in parts])
-        suf_out, suf_lse = ops.paged_decode_attention_lse(q, k, v, tables, lens, starts, scale)
-        return ops.merge_attention_states(pre_out, pre_lse, suf_out, suf_lse, torch.bfloat16)[0]
+        return ops.cascade_decode_attention(q, k, v, tables, lens, plan, scale)
 
     err = (plain(0).float() - cascade(0).float()).abs().max().item()
     t_plain = _time(plain, layers, repeats)
@@ -90,13 +101,31 @@ def run_case(ops, groups, per_group, prefix_len, private, layers, repeats, shape
                                 for gq, pb in zip(group_q, prefixes)], layers, repeats)  # fmt: skip
     t_suffix = _time(lambda l: ops.paged_decode_attention_lse(q, pools[l][0], pools[l][1], tables, lens, starts, scale),
                      layers, repeats)  # fmt: skip
+    macs = 2 * groups * per_group * (prefix_len + private) * num_heads * head_dim  # QK and PV
+    rate = lambda ms: macs / (ms * 1e-3) / 1e9  # noqa: E731
     name = f"{groups} x {per_group} requests, {prefix_len}-position prefix, {private} private each"
     print(f"{name}:")
-    print(f"  plain paged_decode_attention   {t_plain:7.3f} ms per layer-call")
-    print(f"  cascade (prefix+suffix+merge)  {t_cascade:7.3f} ms per layer-call"
+    print(f"  plain paged_decode_attention   {t_plain:7.3f} ms per layer-call   {rate(t_plain):6.1f} GMAC/s")
+    print(f"  cascade (prefix+suffix+merge)  {t_cascade:7.3f} ms per layer-call   {rate(t_cascade):6.1f} GMAC/s"
           f"   (prefix {t_prefix:.3f}, suffix {t_suffix:.3f})")  # fmt: skip
     print(f"  speed-up {t_plain / t_cascade:5.2f}x   max |plain - cascade| {err:.2e}")
     return t_plain, t_cascade
+
+
+def gemm_roofline_gmacs(repeats: int, n: int = 2048) -> float:
+    """bf16 multiply-adds per second of torch's GEMM on n x n matrices (fastest of `repeats`)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).bfloat16()
+    b = torch.randn(n, n, generator=g).bfloat16()
+    torch.matmul(a, b)
+    best = min(_once(lambda: torch.matmul(a, b)) for _ in range(max(3, repeats // 4)))
+    return n**3 / best / 1e9
+
+
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main(argv=None):
@@ -112,8 +141,10 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}, AMX {'on' if ops.amx_available() else 'off'}, {args.layers} layers")
+    print(f"roofline: torch bf16 GEMM 2048^3 {gemm_roofline_gmacs(args.repeats):.1f} GMAC/s")
     run_case(ops, 1, 16, 2048, args.private, args.layers, args.repeats)
     run_case(ops, 4, 16, 1024, args.private, args.layers, args.repeats)
+    print(f"roofline again: {gemm_roofline_gmacs(args.repeats):.1f} GMAC/s")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def _params(output_lens: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
 
 
-def run_kvserve(llm, workload: Workload, warmup: Workload, profile_attention: bool = False) -> dict[str, Any]:
+def run_kvserve(
+    llm, workload: Workload, warmup: Workload, profile_attention: bool = False, alternate_shared_prefix: bool = False,
+) -> dict[str, Any]:
     engine = llm.engine
     # a later round must not find the earlier round's prompts in the prefix cache
     engine.reset_prefix_cache()
@@ -63,7 +65,8 @@ def run_kvserve(llm, workload: Workload, warmup: Workload, profile_attention: bo
     kv = engine.kv_cache
     queries_before, hits_before = kv.prefix_queries, kv.prefix_hits
     profiled: dict[str, Any] = {}
-    with decode_attention_profile(engine.arch.num_layers) if profile_attention else contextlib.nullcontext(profiled) as profiled:
+    profiling = profile_attention or alternate_shared_prefix
+    with decode_attention_profile(engine, alternate_shared_prefix) if profiling else contextlib.nullcontext(profiled) as profiled:
         start = time.perf_counter()
         outputs = llm.generate(workload.prompts, _params(workload.output_lens))
         elapsed_s = time.perf_counter() - start

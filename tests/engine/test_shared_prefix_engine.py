@@ -253,6 +253,15 @@ def test_bench_profiles_decode_attention_time_per_step(tiny_model_dirs, tmp_path
     assert main([*base, "--dtype", "float32", "--no-cpu-kernels"]) == 0
     (plain,) = json.loads(out.read_text())["results"]["engines"]
     assert "decode_attention_ms_per_step" not in plain
+    # steps alternating with and without the plan in one run: both sides timed, and the
+    # engine's own setting is back afterwards
+    assert main([*base, "--dtype", "bfloat16", "--shared-prefix-attention-ab"]) == 0
+    (ab_run,) = json.loads(out.read_text())["results"]["engines"]
+    ab = ab_run["decode_attention_ab"]
+    assert ab["auto"]["decode_attention_steps"] >= 3 and ab["off"]["decode_attention_steps"] >= 3
+    assert ab["auto"]["decode_attention_ms_per_step"] > 0 and ab["off"]["decode_attention_ms_per_step"] > 0
+    assert 0 < ab_run["shared_prefix_steps"] < ab_run["steps"]
+    assert "steps alternating in one run" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("dtype, cpu_kernels", [("float32", False), ("bfloat16", True)], ids=["fp32-torch", "bf16-kernels"])

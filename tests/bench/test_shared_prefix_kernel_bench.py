@@ -1,0 +1,21 @@
+"""`python -m kvserve.bench.shared_prefix_kernel` runs and prints each workload's times, rates
+and the GEMM roofline beside them (a smoke test with 2 layers; the figures are for humans)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvserve.bench import shared_prefix_kernel
+from kvserve.kernels import cpu_ops
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="CPU kernels unavailable here")
+def test_kernel_bench_prints_times_rates_and_the_roofline(capsys):
+    shared_prefix_kernel.main(["--layers", "2", "--repeats", "1", "--private", "20"])
+    out = capsys.readouterr().out
+    assert re.search(r"roofline: torch bf16 GEMM 2048\^3 [\d.]+ GMAC/s", out)
+    assert out.count("speed-up") == 2 and out.count("GMAC/s") >= 6
+    errors = [float(x) for x in re.findall(r"max \|plain - cascade\| ([\d.e+-]+)", out)]
+    assert errors and max(errors) < 1e-2  # the two paths agree within bf16 rounding
