@@ -21,6 +21,12 @@ suffix [end of deepest level, context_len).
 `find_shared_prefix_groups` builds the plan (a radix walk over the tables, O(total
 blocks)); `cascade_decode_attention` is the plain-torch reference computation the C++
 kernels are tested against; `SharedPrefixRule` says when a plan is worth using.
+
+Prompt chunks whose history is a shared cached prefix (several new prompts hitting the same
+system prompt in one step) need no parts: every chunk's queries see all of the prefix, so
+`find_shared_prefill_prefixes` only names, per chunk, the leader whose K/V it reads for the
+shared positions, and the prefill paths read them once (attention/paged.py,
+kernels/prefill_attention.cpp) with the same result as reading them per chunk.
 """
 
 from __future__ import annotations
@@ -348,9 +354,8 @@ def cascade_decode_attention_kernels(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same parts as `cascade_decode_attention`, on the CPU kernels (bf16 queries; bf16
-    pools, or int8 ones with their scales), in one
-    call (ops.cascade_decode_attention, the function the fused decode step runs per layer):
-    every row's suffix (`paged_decode_attention_lse` from its suffix start), then each level's
+    pools, or int8 ones with their scales), in one call (ops.cascade_decode_attention, the
+    function the fused decode step runs per layer): every row's suffix (`paged_decode_attention_lse` from its suffix start), then each level's
     members against the level's blocks (`shared_prefix_attention`: each block read once for
     all of them), merged in fp32 in the same order as the reference: suffix, then levels outer
     to inner. q: [B, N_q, H] → [B, N_q, H] in q's dtype."""

@@ -59,11 +59,12 @@ class AttentionMetadata:
     # [0, shared_len) read once for all its members; None: every segment reads its own
     prefill_sharing: list[tuple[int, int]] | None = None
     _groups: tuple[list[FreshGroup], list[PrefillSegment]] | None = dataclasses.field(default=None, repr=False)
-    _kernel_args: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    _kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = dataclasses.field(default=None, repr=False)
 
     def kv_positions_read_with_sharing(self) -> int:
-        """What the step actually read: with a plan the attention path applied, each shared
-        level once per group and the suffixes; otherwise the same as `kv_positions_read`."""
+        """What the step actually read: prompt chunks over a shared cached prefix read it once
+        per group; with a decode plan the attention path applied, each shared level once per
+        group and the suffixes; otherwise the same as `kv_positions_read`."""
         read = self.kv_positions_read - prefill_positions_read_once(self.prefill_sharing)
         plan = self.cascade
         if plan is None or not plan.applied:
