@@ -100,7 +100,11 @@ class EngineConfig:
     max_waiting_requests: int = 0  # samples (n counts n) not yet started; 0 = unbounded
     # prompt tokens of requests not yet started; None = derived (AsyncLLMEngine), 0 = unbounded
     max_waiting_tokens: int | None = None
-    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    num_threads: int = 0  # torch intra-op threads (per rank under tensor parallelism); 0 = torch's default
+    # ranks of one model (distributed/): one process each over torch.distributed (gloo on CPU,
+    # NCCL on CUDA); started here on one host, or by torchrun across hosts (env://)
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 120.0  # a collective waiting longer fails: a dead or hung rank
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
     # weight format: auto = a GGUF's quantized tensors in their own format, float weights in
@@ -140,6 +144,10 @@ class EngineConfig:
             raise ConfigError("max_waiting_tokens", f"must be >= 0, got {self.max_waiting_tokens}")
         if self.num_threads < 0:
             raise ConfigError("num_threads", f"must be >= 0, got {self.num_threads}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ConfigError("distributed_timeout_s", f"must be > 0 seconds, got {self.distributed_timeout_s}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
         if self.quantization not in QUANTIZATIONS:

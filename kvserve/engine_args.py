@@ -19,7 +19,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prompt prefixes"
     )
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    g.add_argument("--threads", type=int, default=0, help="torch threads, per rank (0 = torch's default)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of one model over torch.distributed (gloo on CPU): started here on one host, or by torchrun")
+    g.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="seconds a collective may wait before a rank counts as dead (default 120)")
     g.add_argument(
         "--cpu-kernels", action=argparse.BooleanOptionalAction, default=True, help="kvserve's C++ CPU kernels where they build"
     )
@@ -80,6 +84,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.threads,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        distributed_timeout_s=getattr(args, "distributed_timeout", 120.0),
         cpu_kernels=args.cpu_kernels,
         prepack_weights=args.prepack_weights,
         quantization=args.quantization,

@@ -297,6 +297,11 @@ class AsyncLLMEngine:
             self._submit(("shutdown_abort", request_id))
         self._submit(("stop",))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            try:
+                self.engine.close()  # the other tensor-parallel ranks, if any, stop with it
+            except Exception:  # a dead rank is already reported; the shutdown goes on
+                logger.warning("stopping the tensor-parallel ranks failed", exc_info=True)
 
     def _submit(self, command: tuple) -> None:
         if self._closed:  # nobody would apply it; the thread already ended every request

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -19,6 +20,9 @@ import torch
 
 from kvserve.attention.cascade import SharedPrefixRule
 from kvserve.config import EngineConfig
+from kvserve.distributed.group import TensorParallelGroup
+from kvserve.distributed.launch import launched_by_torchrun, start_local_ranks
+from kvserve.distributed.sharding import plan_shard, shard_weights
 from kvserve.engine.allocator import release_free_memory, tune_malloc
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
@@ -77,17 +81,54 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        elif config.tensor_parallel_size > 1:
+            # the ranks of one host share its cores: more threads than cores make every
+            # AllReduce wait on a rank whose threads are descheduled
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         tune_malloc()  # before the weights are loaded: every later buffer follows the same rule
+        # tensor parallelism (distributed/): this process is rank 0 unless a launcher said otherwise
+        self.tp: TensorParallelGroup | None = None
+        self._rank_procs: list = []
+        tp_notes: list[str] = []
+        if config.tensor_parallel_size > 1:
+            if launched_by_torchrun():
+                self.tp = TensorParallelGroup.from_env(config.torch_device, config.distributed_timeout_s)
+            else:
+                self._rank_procs, address = start_local_ranks(config)
+                self.tp = TensorParallelGroup.join(
+                    0, config.tensor_parallel_size, address, config.torch_device, config.distributed_timeout_s
+                )
+            if self.tp.world != config.tensor_parallel_size:
+                raise ConfigError(
+                    "tensor_parallel_size", f"{config.tensor_parallel_size} asked, but the launcher started {self.tp.world} ranks"
+                )
+            tp_notes.append(f"tensor parallel: rank {self.tp.rank} of {self.tp.world} ({self.tp.backend})")
+        try:
+            self._build(config, loaded, tp_notes)
+        except BaseException:
+            self._abandon_ranks()  # nothing left waiting on a group that will never step
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None, tp_notes: list[str]) -> None:
+        """The model, its KV pool, the scheduler and the runner (this rank's share of them)."""
         ops = None
-        if config.cpu_kernels and config.torch_device.type == "cpu":
+        if config.cpu_kernels and config.torch_device.type == "cpu" and self.tp is None:
             from kvserve.kernels import cpu_ops
 
             ops = cpu_ops()
+        elif self.tp is not None and config.cpu_kernels:
+            tp_notes.append("tensor parallel: the plain-torch path on every rank (the CPU kernels are not sharded yet)")
         if loaded is None:
             # the weights' format depends on what this machine can run, so it is settled first
-            notes: list[str] = []
-            quant_kernel = KernelSupport.quant_linear_choice(config.torch_dtype, config.torch_device, ops)
-            mode = resolve_quantization(config.quantization, quant_kernel, notes)
+            notes: list[str] = list(tp_notes)
+            if self.tp is not None:
+                if config.quantization in ("int8", "int4"):
+                    raise ConfigError("quantization", "tensor parallelism shards float weights only for now; use none or auto")
+                mode = "none"
+                notes.append("tensor parallel: weights loaded as floats (quantized formats are not sharded yet)")
+            else:
+                quant_kernel = KernelSupport.quant_linear_choice(config.torch_dtype, config.torch_device, ops)
+                mode = resolve_quantization(config.quantization, quant_kernel, notes)
             loaded = load_model(config.model, config.torch_dtype, mode)
             loaded.notes[:0] = notes
         self.format_notes = loaded.notes
@@ -99,8 +140,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
         self.loaded_from_cache = loaded.from_cache
+        # this rank's share of the model (the whole of it in one process): its layers' heads
+        # and FFN columns, the KV heads its pool holds, its rows of the vocabulary
+        rank, world = (self.tp.rank, self.tp.world) if self.tp is not None else (0, 1)
+        self.shard = plan_shard(arch, rank, world)
+        shard_weights(loaded.weights, arch, self.shard)
+        local_arch = self.shard.local_arch(arch)
 
-        layout = plan_kv_pool(arch, config.torch_kv_dtype, config.kv_cache_memory, config.block_size)
+        layout = plan_kv_pool(local_arch, config.torch_kv_dtype, config.kv_cache_memory, config.block_size)
         if layout.num_blocks < 1:
             need = layout.kv_bytes_per_position * config.block_size
             raise ConfigError("kv_cache_memory", f"{config.kv_cache_memory} bytes hold no block; at least {need} needed")
@@ -123,9 +170,13 @@ class LLMEngine:
 
         # which kernel runs each part of this model, decided once; the model only follows it
         self.kernels = KernelSupport.decide(
-            arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype
+            local_arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype
         )
-        model = LlamaForCausalLM(arch, loaded.weights, max_positions=self.max_model_len + 1, kernels=self.kernels)
+        vocab_sizes = [plan_shard(arch, r, world).vocab for r in range(world)]
+        model = LlamaForCausalLM(
+            local_arch, loaded.weights, max_positions=self.max_model_len + 1, kernels=self.kernels, tp=self.tp,
+            vocab=self.shard.vocab, vocab_sizes=[hi - lo for lo, hi in vocab_sizes],
+        )  # fmt: skip
         loaded.weights.clear()
         release_free_memory()  # the load's freed transients, before the pools are allocated
         self.model = model.to(config.torch_device)
@@ -135,12 +186,73 @@ class LLMEngine:
         rule = SharedPrefixRule(
             min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size), min_group_size=config.shared_prefix_min_group
         )
-        self.runner = ModelRunner(self.model, layout, config.torch_device, config.shared_prefix_attention, rule)
+        self.runner = ModelRunner(self.model, layout, config.torch_device, config.shared_prefix_attention, rule, self.tp)
+        if self.tp is not None:
+            self._check_ranks_agree()
         self.sampler = Sampler(self.kernels.op("argmax_rows"))
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Parent] = {}
         self.counters = EngineCounters()
         self._next_id = 0
+
+    # ---- tensor parallelism: the ranks -------------------------------------------------
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank built the same engine (model, formats, pool), or all refuse to start
+        with what differed: ranks given different files or flags would compute garbage."""
+        c = self.config
+        mine = {
+            "model": str(self.model_name), "arch": self.arch, "dtype": str(c.torch_dtype), "kv_dtype": str(self.layout.kv_dtype),
+            "blocks": self.layout.num_blocks, "block_size": c.block_size, "max_model_len": self.max_model_len,
+            "prefix_caching": c.enable_prefix_caching, "shared_prefix_attention": c.shared_prefix_attention,
+        }  # fmt: skip
+        everyone = self.tp.gather_objects(mine)
+        verdict = None
+        if self.tp.is_driver:
+            for r, theirs in enumerate(everyone):
+                diff = [k for k in mine if theirs.get(k) != mine[k]]
+                if diff:
+                    verdict = f"rank {r} differs from rank 0 in {', '.join(diff)}: " + "; ".join(
+                        f"{k}: {theirs.get(k)!r} vs {mine[k]!r}" for k in diff
+                    )
+                    break
+        verdict = self.tp.broadcast_object(verdict)
+        if verdict:
+            raise ConfigError("tensor_parallel_size", verdict)
+
+    def follow_steps(self) -> None:
+        """A rank other than 0: run each step rank 0 sends on this rank's share, until it stops."""
+        assert self.tp is not None and not self.tp.is_driver
+        while True:
+            msg = self.tp.broadcast_object(None)
+            if msg is None:
+                return
+            self.runner.run_step_message(msg)
+
+    def _abandon_ranks(self) -> None:
+        """After a failed start: leave the group and end the ranks this process started."""
+        tp, self.tp = self.tp, None
+        if tp is not None:
+            tp.close()
+        for p in self._rank_procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+    def close(self) -> None:
+        """Rank 0 stops the other ranks and waits for those it started; then leaves the group."""
+        if self.tp is None:
+            return
+        tp, self.tp = self.tp, None
+        try:
+            if tp.is_driver:
+                tp.broadcast_object(None)
+        finally:
+            tp.close()
+            for p in self._rank_procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -358,8 +470,24 @@ class LLMEngine:
             f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
             f"max_model_len {self.max_model_len}; loaded in {self.load_seconds:.1f}s"
             f"{' (cached weights)' if self.loaded_from_cache else ''}\n"
+            f"{self.tensor_parallel_line()}"
             f"{self.kernels.describe()}\n{self.model.describe_projections()}"
             + "".join(f"\n  note: {note}" for note in self.format_notes)
+        )
+
+    def tensor_parallel_line(self) -> str:
+        """Under tensor parallelism, this rank's share: heads, KV heads (and how many ranks hold
+        each), FFN columns, vocabulary rows, weight bytes and c_kv per rank; else nothing."""
+        sh = self.shard
+        if sh.world == 1:
+            return ""
+        per_request = self.layout.kv_bytes_per_position * self.max_model_len
+        return (
+            f"tensor parallel rank {sh.rank} of {sh.world}: query heads [{sh.q_heads[0]}, {sh.q_heads[1]}), "
+            f"KV heads [{sh.kv_heads[0]}, {sh.kv_heads[1]}) (each held by {sh.kv_replication} rank"
+            f"{'s' if sh.kv_replication > 1 else ''}), FFN [{sh.ffn[0]}, {sh.ffn[1]}), vocabulary [{sh.vocab[0]}, {sh.vocab[1]}); "
+            f"per rank: weights {self.model.weight_bytes():,} bytes, KV {self.layout.kv_bytes_per_position:,} bytes/position, "
+            f"{per_request:,} bytes per request of max_model_len\n"
         )
 
     def release(self) -> None:

@@ -71,12 +71,28 @@ class StepBatch:
     prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class StepMessage:
+    """What rank 0 sends every other tensor-parallel rank each step: the forward pass's inputs,
+    and which rows' logits it will gather (prompt-logprob spans, then the sampling rows), so
+    every rank makes the same collective calls in the same order."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    has_sampling: bool
+    prompt_spans: list[tuple[int, int]]  # (first row, rows) per prompt-logprobs request
+
+
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, layout: KVPoolLayout, device: torch.device, shared_prefix_attention: str = "auto",
-        shared_prefix_rule: SharedPrefixRule | None = None,
+        shared_prefix_rule: SharedPrefixRule | None = None, tp=None,
     ):
         self.model = model
+        # distributed/group.py TensorParallelGroup (None: one process); rank 0 sends each step's inputs
+        self.tp = tp if tp is not None and tp.world > 1 else None
         # "auto": decode rows whose tables start with the same physical blocks run in parts
         # where the rule says so (attention/cascade.py); "off": never
         self.shared_prefix_attention = shared_prefix_attention
@@ -203,6 +219,11 @@ class ModelRunner:
         )
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
+        if self.tp is not None:  # the other ranks run the same step on their shares
+            self.tp.broadcast_object(StepMessage(
+                batch.input_ids, batch.positions, batch.meta, batch.logits_indices, bool(batch.sampling),
+                [(row, count) for _, row, count in batch.prompt_rows],
+            ))  # fmt: skip
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         if batch.prompt_rows:
             batch.prompt_logprobs = [
@@ -229,6 +250,18 @@ class ModelRunner:
                         entry.setdefault(t, v)
                 entries.append(entry)
         return entries
+
+    @torch.inference_mode()
+    def run_step_message(self, msg: StepMessage) -> None:
+        """A rank other than 0: rank 0's step on this rank's share, with the same logits
+        gathers (`_prompt_logprobs` in the same chunks, then the sampling rows)."""
+        hidden = self.model(msg.input_ids, msg.positions, msg.meta)
+        for row, count in msg.prompt_spans:
+            for lo in range(0, count, _PROMPT_LOGITS_ROWS):
+                n = min(_PROMPT_LOGITS_ROWS, count - lo)
+                self.model.compute_logits(hidden[row + lo : row + lo + n])
+        if msg.has_sampling:
+            self.model.compute_logits(hidden.index_select(0, msg.logits_indices))
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:

@@ -94,9 +94,22 @@ class LlamaAttention(nn.Module):
         return q
 
 
+def _all_reduce(tp, x: torch.Tensor) -> torch.Tensor:
+    """Σ over the tensor-parallel ranks (none without a group), in fp32 whatever the model's
+    dtype: the sum rounds once, as one rank's full matmul would."""
+    if tp is None or tp.world == 1:
+        return x
+    if x.dtype == torch.float32:
+        return tp.all_reduce(x)
+    return tp.all_reduce(x.float()).to(x.dtype)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int, kernels: KernelSupport):
+    def __init__(
+        self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int, kernels: KernelSupport, tp=None,
+    ):  # fmt: skip
         super().__init__()
+        self.tp = tp  # distributed/group.py TensorParallelGroup, or None
         p = f"model.layers.{index}"
         norm_ops = kernels.op("rms_norm")
         self.input_layernorm = RMSNorm(w.pop(f"{p}.input_layernorm.weight"), arch.rms_norm_eps, norm_ops)
@@ -107,27 +120,38 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm residual stream: `residual` carries the sum, `h` the latest branch output."""
+        """Pre-norm residual stream: `residual` carries the sum, `h` the latest branch output.
+        Under tensor parallelism O and down are row-parallel: their partial sums are AllReduced."""
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
             x = self.input_layernorm(h, residual)
-        h = self.self_attn(x, rope, meta)
+        h = _all_reduce(self.tp, self.self_attn(x, rope, meta))
         x = self.post_attention_layernorm(h, residual)
-        return self.mlp(x), residual
+        return _all_reduce(self.tp, self.mlp(x)), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchitecture, weights: dict[str, torch.Tensor], max_positions: int, kernels: KernelSupport):
+    """`arch` is this rank's share under tensor parallelism (distributed/sharding.py: its
+    heads and FFN columns), and `weights` are cut to it; `tp` and `vocab` (this rank's
+    [first, end) of the vocabulary, and every rank's share size) join the shares."""
+
+    def __init__(
+        self, arch: ModelArchitecture, weights: dict[str, torch.Tensor], max_positions: int, kernels: KernelSupport,
+        tp=None, vocab: tuple[int, int] | None = None, vocab_sizes: list[int] | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.arch = arch
         self.kernels = kernels
+        self.tp = tp if tp is not None and tp.world > 1 else None
+        self.vocab = vocab or (0, arch.vocab_size)
+        self.vocab_sizes = vocab_sizes or [arch.vocab_size]
         # the layers take (pop) their weights from `weights` as they are built
         embed = weights.pop("model.embed_tokens.weight")
         self._dtype = torch.bfloat16 if isinstance(embed, QuantizedWeight) else embed.dtype
         self.layers = nn.ModuleList()
         for i in range(arch.num_layers):
-            self.layers.append(LlamaDecoderLayer(arch, weights, i, kernels))
+            self.layers.append(LlamaDecoderLayer(arch, weights, i, kernels, self.tp))
             if kernels.ops is not None:
                 # packed as each layer is built, so the float copies a packing replaces go layer
                 # by layer and the load's peak memory stays near the model's final footprint
@@ -154,7 +178,13 @@ class LlamaForCausalLM(nn.Module):
         return self._dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens.embedding_rows(input_ids)
+        if self.tp is None:
+            return self.embed_tokens.embedding_rows(input_ids)
+        # vocab-parallel: this rank's rows where the id is in its share, zeros elsewhere, summed
+        lo, hi = self.vocab
+        mine = (input_ids >= lo) & (input_ids < hi)
+        rows = self.embed_tokens.embedding_rows(torch.where(mine, input_ids - lo, torch.zeros_like(input_ids)))
+        return _all_reduce(self.tp, rows * mine.unsqueeze(-1).to(rows.dtype))
 
     def projections(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -253,12 +283,18 @@ class LlamaForCausalLM(nn.Module):
         return residual.add_(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (model dtype) for the selected positions only; the LM head is the largest matmul."""
-        return self.lm_head(self.norm(hidden))
+        """Logits (model dtype) for the selected positions only; the LM head is the largest
+        matmul. Vocab-parallel: every rank's share gathered, so each rank holds all of them."""
+        logits = self.lm_head(self.norm(hidden))
+        if self.tp is not None:
+            logits = self.tp.all_gather_last(logits, self.vocab_sizes)
+        return logits
 
     def greedy_tokens(self, hidden: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`argmax` of compute_logits(hidden), taken inside the LM head where its method can
         (no logits written; bitwise the same result)."""
+        if self.tp is not None:  # the argmax needs every share: the gathered logits
+            return argmax(self.compute_logits(hidden))
         normed = self.norm(hidden)
         ids = self.lm_head.argmax(normed)
         return ids if ids is not None else argmax(self.lm_head(normed))
@@ -266,8 +302,9 @@ class LlamaForCausalLM(nn.Module):
     # ---- the fused decode step (kernels/fused_decode.cpp) ----------------------------------
 
     def fused_decode_rows(self) -> int:
-        """The largest decode batch that runs all layers in one C++ call; 0 if none."""
-        return self._fused_rows if self.fused_decode else 0
+        """The largest decode batch that runs all layers in one C++ call; 0 if none (also
+        under tensor parallelism: the C++ step has no AllReduce between its layers)."""
+        return self._fused_rows if self.fused_decode and self.tp is None else 0
 
     def decode_model(self):
         """ops.DecodeModel: each layer's norms and its projections as their methods packed them."""

@@ -85,4 +85,10 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(
         args, max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens
     )
+    from kvserve.distributed.launch import launched_by_torchrun, run_worker
+
+    if launched_by_torchrun() and os.environ["RANK"] != "0":
+        # torchrun started every rank: rank 0 serves HTTP and schedules, the others follow its steps
+        run_worker(engine_config)
+        return 0
     return run_server(engine_config, server_config, log_level=args.log_level)

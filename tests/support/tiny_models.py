@@ -105,4 +105,7 @@ TINY_VARIANTS = {
     "qwen2-bias": dict(model_type="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
     # head_dim 64, as the default model: the fused RoPE kernel's path (the others run torch's)
     "llama-hd64": dict(model_type="llama", num_heads=4, num_kv_heads=2, hidden_size=256),
+    # tensor parallelism's shapes (tests/distributed): 8 / 2 heads (TP 4 > KV heads) and 12 / 4
+    "llama-8x2": dict(model_type="llama", num_heads=8, num_kv_heads=2, hidden_size=128),
+    "llama-12x4": dict(model_type="llama", num_heads=12, num_kv_heads=4, hidden_size=192),
 }

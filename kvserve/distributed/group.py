@@ -1,0 +1,97 @@
+"""The tensor-parallel process group: torch.distributed with env:// initialisation.
+
+gloo on CPU, NCCL on CUDA; rank 0 schedules and samples, every rank runs its share of each
+forward pass. `env://` reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE, so the same code
+runs under `torchrun --nnodes M --nproc-per-node K` across hosts and under kvserve's own
+one-host launcher (distributed/launch.py). Every collective has a timeout: a rank that dies
+or hangs fails the others' next collective instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvserve.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class TensorParallelGroup:
+    """This process's rank in the group, and the collectives the model and engine use."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.backend = dist.get_backend() if world > 1 else "none"
+
+    @classmethod
+    def from_env(cls, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TensorParallelGroup":
+        """Join the group named by the environment (env://: torchrun, or the one-host launcher
+        in the ranks it starts); one process alone if WORLD_SIZE is unset or 1."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        return cls.join(rank, world, "env://", device, timeout_s, int(os.environ.get("LOCAL_RANK", "0")))
+
+    @classmethod
+    def join(cls, rank: int, world: int, init_method: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S,
+             local_rank: int = 0) -> "TensorParallelGroup":  # fmt: skip
+        """Join as `rank` of `world` through `init_method` (env:// or tcp://host:port)."""
+        if world > 1 and dist.is_initialized():
+            raise ConfigError(
+                "tensor_parallel_size", "this process already belongs to a tensor-parallel group: one such engine per process"
+            )
+        if world > 1:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+        return cls(rank, world, device)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: it schedules, samples and serves."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over ranks, in place (a row-parallel projection's partial sums)."""
+        if self.world > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every rank's x [..., sizes[r]] joined along the last dimension, on every rank
+        (vocab-parallel logits; the last rank's share may be shorter)."""
+        if self.world == 1:
+            return x
+        width = max(sizes)
+        padded = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (pickled; the step's inputs)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0 (start-up checks); None elsewhere."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,191 @@
+"""Tensor parallelism over real torch.distributed process groups (gloo, ranks started by the
+engine on this host): fp32 greedy tokens equal one process's, with KV heads split or
+replicated, prefix caching and preemption; the shard plan; failures that name the problem."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.distributed.sharding import plan_shard
+from kvserve.errors import ConfigError
+from kvserve.model.arch import ModelArchitecture
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 40, 41, 42]]  # the third shares the first's prefix
+
+
+def _arch(num_heads, num_kv_heads, ffn=256, vocab=1000) -> ModelArchitecture:
+    return ModelArchitecture("LlamaForCausalLM", vocab, 128, ffn, 2, num_heads, num_kv_heads, 16, 1e-6, 1e4, 512, False)
+
+
+def test_shard_plan_splits_heads_and_replicates_kv_heads_past_their_count():
+    a = _arch(8, 2)
+    shards = [plan_shard(a, r, 2) for r in range(2)]
+    assert [s.q_heads for s in shards] == [(0, 4), (4, 8)] and [s.kv_heads for s in shards] == [(0, 1), (1, 2)]
+    assert all(s.kv_replication == 1 for s in shards)
+    shards = [plan_shard(a, r, 4) for r in range(4)]  # 4 ranks over 2 KV heads: each held twice
+    assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)] and shards[0].kv_replication == 2
+    assert [s.ffn for s in shards] == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert [s.vocab for s in shards] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    # the seed's example: 16 chips over 8 KV heads keep 1/8 of the logical KV each
+    s16 = plan_shard(_arch(32, 8, ffn=512), 5, 16)
+    assert s16.num_kv_heads == 1 and s16.kv_replication == 2 and s16.q_heads == (10, 12) and s16.kv_heads == (2, 3)
+    uneven = [plan_shard(_arch(8, 2, vocab=1001), r, 4).vocab for r in range(4)]
+    assert uneven == [(0, 251), (251, 502), (502, 753), (753, 1001)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, world, match", [
+    (9, 3, 2, "cannot split 9 query heads"),
+    (12, 4, 3, "neither divides the other"),
+])  # fmt: skip
+def test_shard_plan_refuses_what_would_cut_a_head(num_heads, num_kv_heads, world, match):
+    with pytest.raises(ConfigError, match=match):
+        plan_shard(_arch(num_heads, num_kv_heads, ffn=240), 0, world)
+
+
+def _tokens(model, tp, prompts=PROMPTS, **config):
+    config = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "2MiB", "block_size": 4, "cpu_kernels": False,
+              "distributed_timeout_s": 60, **config}  # fmt: skip
+    llm = LLM(model, tensor_parallel_size=tp, **config)
+    try:
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # a prefix in the cache
+        outs = llm.generate(prompts, GREEDY)
+        return [o.outputs[0].token_ids for o in outs], llm.engine
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("variant, worlds", [("llama-8x2", (2, 4)), ("llama-12x4", (2, 4))])
+def test_greedy_tokens_equal_one_process(tiny_model_dirs, variant, worlds):
+    model = tiny_model_dirs[variant]
+    expected, _ = _tokens(model, 1)
+    for world in worlds:
+        got, engine = _tokens(model, world)
+        assert got == expected, f"TP {world}"
+        assert engine.shard.world == world
+
+
+def test_with_preemption_and_chunked_prefill(tiny_model_dirs):
+    model = tiny_model_dirs["llama-8x2"]
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(20)] for i in range(6)]
+    # 24 blocks of 4 positions: six 30-position requests cannot all stay, so some are preempted
+    # kv_cache_memory is per rank, and a rank of 2 holds half the KV heads: half the bytes
+    # give both the same blocks, so the same schedule, preemptions included
+    c_kv = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
+    chunked = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8}
+    expected, eng1 = _tokens(model, 1, prompts, kv_cache_memory=24 * 4 * c_kv, **chunked)
+    got, eng2 = _tokens(model, 2, prompts, kv_cache_memory=24 * 4 * c_kv // 2, **chunked)
+    assert got == expected
+    assert eng1.layout.num_blocks == eng2.layout.num_blocks == 24
+    assert eng1.scheduler.num_preemptions > 0 and eng2.scheduler.num_preemptions == eng1.scheduler.num_preemptions
+
+
+def test_default_model_at_tp_3_in_fp32():
+    """SmolLM2: 9 query heads, 3 KV heads, FFN 1536, a vocabulary of 49,152 over 3 ranks."""
+    prompts = ["The capital of France is", "def fib(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    texts = []
+    for tp in (1, 3):
+        llm = LLM(None, dtype="float32", tensor_parallel_size=tp, quantization="none", kv_cache_memory="32MiB",
+                  cpu_kernels=False, distributed_timeout_s=60)  # fmt: skip
+        try:
+            texts.append([o.outputs[0].text for o in llm.generate(prompts, params)])
+        finally:
+            llm.engine.close()
+    assert texts[0] == texts[1]
+
+
+def test_a_model_that_does_not_split_is_refused_with_the_reason(tiny_model_dirs):
+    with pytest.raises(ConfigError, match="3 ranks cannot split 8 query heads"):
+        LLM(tiny_model_dirs["llama-8x2"], tensor_parallel_size=3, dtype="float32", cpu_kernels=False, kv_cache_memory="2MiB",
+            distributed_timeout_s=20)  # fmt: skip
+
+
+def test_a_dead_rank_fails_the_next_step_instead_of_hanging(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama-8x2"], tensor_parallel_size=2, dtype="float32", cpu_kernels=False,
+              kv_cache_memory="2MiB", distributed_timeout_s=10)  # fmt: skip
+    try:
+        (worker,) = llm.engine._rank_procs
+        os.kill(worker.pid, 9)
+        worker.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(Exception):
+            llm.generate([PROMPTS[0]], GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        try:
+            llm.engine.close()
+        except Exception:
+            pass
+
+
+def test_start_up_report_gives_each_ranks_share(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama-8x2"], tensor_parallel_size=4, dtype="float32", cpu_kernels=False,
+              kv_cache_memory="2MiB", distributed_timeout_s=30)  # fmt: skip
+    try:
+        line = llm.engine.tensor_parallel_line()
+        # rank 0 of 4 over 2 KV heads: 2 of the 8 query heads, KV head 0 held by 2 ranks
+        assert "rank 0 of 4: query heads [0, 2), KV heads [0, 1) (each held by 2 ranks)" in line
+        c_kv = 2 * 2 * 1 * 16 * 4  # K and V, 2 layers, 1 KV head, head_dim 16, fp32
+        assert f"KV {c_kv:,} bytes/position" in line and line in llm.engine.describe()
+    finally:
+        llm.engine.close()
+
+
+def test_two_node_torchrun_launch_serves_the_same_tokens(tiny_model_dirs, tmp_path):
+    """Two torchrun "nodes" on this machine (one rank each, a static rendezvous on loopback):
+    rank 0 serves the OpenAI API, rank 1 follows its steps; the official client gets the
+    tokens one process gives."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import openai
+
+    model = tiny_model_dirs["llama-8x2"]
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    rdzv, http = free_port(), free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+               "--master-port", str(rdzv), "-m", "kvserve.cli", "serve", "--model", model, "--dtype", "float32",
+               "--tensor-parallel-size", "2", "--port", str(http), "--kv-cache-memory", "2MiB", "--no-cpu-kernels",
+               "--distributed-timeout", "30"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=open(tmp_path / f"node{node}.log", "w"), stderr=subprocess.STDOUT))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, (tmp_path / "node0.log").read_text()[-3000:]
+                assert all(p.poll() is None for p in procs), (tmp_path / "node0.log").read_text()[-3000:]
+                time.sleep(0.5)
+        got = client.completions.create(model="llama-8x2", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        llm = LLM(model, dtype="float32", device="cpu", kv_cache_memory="2MiB", cpu_kernels=False)
+        want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+        assert got.choices[0].text == want
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
