@@ -71,6 +71,8 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
             engine.step()
         generated_before = engine.counters.generation_tokens
         step_times_s = []
+        tp = engine.tp
+        comm_before = dict(tp.comm_seconds) if tp is not None else {}
         for _ in range(settings.decode_steps):
             start = time.perf_counter()
             engine.step()
@@ -79,7 +81,7 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
     finally:
         engine.abort_request(request_id)
     elapsed_s = sum(step_times_s)
-    return {
+    out = {
         "context_len_start": decode_context_start(settings),
         "steps": settings.decode_steps,
         "tokens": decoded,  # one per step at batch 1; checked by the caller
@@ -87,6 +89,10 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
         "tok_per_s": decoded / elapsed_s,
         "step_ms": summarize(step_times_s, 1e3),
     }
+    if tp is not None:  # rank 0's time inside collectives (waits for the other ranks included), per decode step
+        out["tensor_parallel_size"] = tp.world
+        out["comm_ms_per_step"] = {k: (tp.comm_seconds[k] - comm_before[k]) * 1e3 / settings.decode_steps for k in comm_before}
+    return out
 
 
 def measure_prefill(engine: LLMEngine, prompt_len: int, iters: int, rng: np.random.Generator) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any
 
 import torch
@@ -29,6 +30,14 @@ class TensorParallelGroup:
         self.world = world
         self.device = device
         self.backend = dist.get_backend() if world > 1 else "none"
+        # time this rank spent inside collectives (waiting included), by kind: what
+        # `kvserve bench latency --tensor-parallel-size N` sets beside the step time
+        self.comm_seconds: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "broadcast": 0.0}
+        self.comm_calls: dict[str, int] = {"all_reduce": 0, "all_gather": 0, "broadcast": 0}
+
+    def _timed(self, kind: str, t0: float) -> None:
+        self.comm_seconds[kind] += time.perf_counter() - t0
+        self.comm_calls[kind] += 1
 
     @classmethod
     def from_env(cls, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TensorParallelGroup":
@@ -62,7 +71,9 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Σ over ranks, in place (a row-parallel projection's partial sums)."""
         if self.world > 1:
+            t0 = time.perf_counter()
             dist.all_reduce(x)
+            self._timed("all_reduce", t0)
         return x
 
     def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -73,7 +84,9 @@ class TensorParallelGroup:
         width = max(sizes)
         padded = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
         parts = [torch.empty_like(padded) for _ in range(self.world)]
+        t0 = time.perf_counter()
         dist.all_gather(parts, padded.contiguous())
+        self._timed("all_gather", t0)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -81,7 +94,9 @@ class TensorParallelGroup:
         if self.world == 1:
             return obj
         box = [obj]
+        t0 = time.perf_counter()
         dist.broadcast_object_list(box, src=0)
+        self._timed("broadcast", t0)
         return box[0]
 
     def gather_objects(self, obj: Any) -> list[Any] | None:

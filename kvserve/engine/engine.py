@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -76,6 +77,22 @@ class EngineCounters:
     shared_prefix_steps: int = 0  # steps whose decode attention read shared prefixes once per group
 
 
+def _stop_ranks(tp: TensorParallelGroup, procs: list, send_stop: bool) -> None:
+    """Rank 0's end of the group: the stop to the other ranks (unless the group is broken),
+    leaving it, and the ranks it started joined (killed past 30 s)."""
+    try:
+        if send_stop and tp.is_driver:
+            tp.broadcast_object(None)
+    except Exception:  # a rank already gone: it has nothing left to stop
+        logger.warning("tensor parallel: the stop did not reach every rank", exc_info=True)
+    finally:
+        tp.close()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
@@ -89,6 +106,7 @@ class LLMEngine:
         # tensor parallelism (distributed/): this process is rank 0 unless a launcher said otherwise
         self.tp: TensorParallelGroup | None = None
         self._rank_procs: list = []
+        self._finalizer: weakref.finalize | None = None
         tp_notes: list[str] = []
         if config.tensor_parallel_size > 1:
             if launched_by_torchrun():
@@ -103,6 +121,7 @@ class LLMEngine:
                     "tensor_parallel_size", f"{config.tensor_parallel_size} asked, but the launcher started {self.tp.world} ranks"
                 )
             tp_notes.append(f"tensor parallel: rank {self.tp.rank} of {self.tp.world} ({self.tp.backend})")
+            self._finalizer = weakref.finalize(self, _stop_ranks, self.tp, self._rank_procs, True)
         try:
             self._build(config, loaded, tp_notes)
         except BaseException:
@@ -230,29 +249,20 @@ class LLMEngine:
             self.runner.run_step_message(msg)
 
     def _abandon_ranks(self) -> None:
-        """After a failed start: leave the group and end the ranks this process started."""
-        tp, self.tp = self.tp, None
-        if tp is not None:
-            tp.close()
-        for p in self._rank_procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        """After a failed start: leave the group and end the ranks this process started (the
+        group may be broken: no stop is sent)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            _stop_ranks(self.tp, self._rank_procs, send_stop=False)
+        self.tp = None
 
     def close(self) -> None:
-        """Rank 0 stops the other ranks and waits for those it started; then leaves the group."""
-        if self.tp is None:
-            return
-        tp, self.tp = self.tp, None
-        try:
-            if tp.is_driver:
-                tp.broadcast_object(None)
-        finally:
-            tp.close()
-            for p in self._rank_procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+        """Rank 0 stops the other ranks and waits for those it started; then leaves the group.
+        Also run when the engine is collected or the interpreter exits, so no rank is left
+        waiting for a step that will never come."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.tp = None
 
     # ---- requests in -------------------------------------------------------------------
 

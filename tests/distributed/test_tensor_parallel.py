@@ -189,3 +189,21 @@ def test_two_node_torchrun_launch_serves_the_same_tokens(tiny_model_dirs, tmp_pa
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_bench_latency_prints_collective_time_beside_the_step(tiny_model_dirs, tmp_path, capsys):
+    import json
+
+    from kvserve.cli import main
+
+    out = tmp_path / "lat.json"
+    code = main(["bench", "latency", "--model", tiny_model_dirs["llama-8x2"], "--dtype", "float32", "--tensor-parallel-size", "2",
+                 "--no-cpu-kernels", "--kv-cache-memory", "2MiB", "--prompt-lens", "8", "--decode-context-len", "16",
+                 "--decode-steps", "4", "--decode-warmup-steps", "1", "--read-mib", "8", "--gemm-size", "64",
+                 "--calibration-seconds", "0.05", "--distributed-timeout", "30", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    decode = json.loads(out.read_text())["results"]["decode"]
+    comm = decode["comm_ms_per_step"]
+    assert decode["tensor_parallel_size"] == 2 and set(comm) == {"all_reduce", "all_gather", "broadcast"}
+    assert all(v > 0 for v in comm.values())
+    assert "tensor parallel, 2 ranks" in capsys.readouterr().out
