@@ -131,12 +131,13 @@ class LLMEngine:
     def _build(self, config: EngineConfig, loaded: LoadedModel | None, tp_notes: list[str]) -> None:
         """The model, its KV pool, the scheduler and the runner (this rank's share of them)."""
         ops = None
-        if config.cpu_kernels and config.torch_device.type == "cpu" and self.tp is None:
+        if config.cpu_kernels and config.torch_device.type == "cpu":
             from kvserve.kernels import cpu_ops
 
             ops = cpu_ops()
-        elif self.tp is not None and config.cpu_kernels:
-            tp_notes.append("tensor parallel: the plain-torch path on every rank (the CPU kernels are not sharded yet)")
+            if self.tp is not None and ops is not None:
+                tp_notes.append("tensor parallel: each rank runs the CPU kernels on its share, layer by layer "
+                                "(the fused all-layers step has no AllReduce between layers)")  # fmt: skip
         if loaded is None:
             # the weights' format depends on what this machine can run, so it is settled first
             notes: list[str] = list(tp_notes)

@@ -207,3 +207,15 @@ def test_bench_latency_prints_collective_time_beside_the_step(tiny_model_dirs, t
     assert decode["tensor_parallel_size"] == 2 and set(comm) == {"all_reduce", "all_gather", "broadcast"}
     assert all(v > 0 for v in comm.values())
     assert "tensor parallel, 2 ranks" in capsys.readouterr().out
+
+
+def test_each_rank_runs_the_cpu_kernels_on_its_share(tiny_model_dirs):
+    """head_dim 64: the kernels take each rank's heads (KV heads replicated at TP 4 too); the
+    fused all-layers step is off under TP (no AllReduce between its layers)."""
+    model = tiny_model_dirs["llama-8x2-hd64"]
+    expected, engine1 = _tokens(model, 1, cpu_kernels=True, kv_cache_memory="8MiB")
+    for world in (2, 4):
+        got, engine = _tokens(model, world, cpu_kernels=True, kv_cache_memory="8MiB")
+        assert got == expected, f"TP {world}"
+        if engine1.kernels.decode_attention.enabled:
+            assert engine.kernels.decode_attention.enabled and engine.model.fused_decode_rows() == 0

@@ -108,4 +108,5 @@ TINY_VARIANTS = {
     # tensor parallelism's shapes (tests/distributed): 8 / 2 heads (TP 4 > KV heads) and 12 / 4
     "llama-8x2": dict(model_type="llama", num_heads=8, num_kv_heads=2, hidden_size=128),
     "llama-12x4": dict(model_type="llama", num_heads=12, num_kv_heads=4, hidden_size=192),
+    "llama-8x2-hd64": dict(model_type="llama", num_heads=8, num_kv_heads=2, hidden_size=512),  # the CPU kernels' head_dim
 }
