@@ -22,7 +22,7 @@ import torch
 
 from kvserve.errors import ConfigError
 from kvserve.model.arch import ModelArchitecture
-from kvserve.model.quant_formats import QuantizedWeight
+from kvserve.model.quant_formats import QuantizedWeight, slice_cols, slice_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,10 @@ def plan_shard(arch: ModelArchitecture, rank: int, world: int) -> TensorParallel
 
 
 def shard_weights(weights: dict[str, torch.Tensor], arch: ModelArchitecture, shard: TensorParallelShard) -> None:
-    """Cut `weights` (HF names, float tensors) down to this rank's share, in place: each
-    tensor sliced and copied (contiguous), so the model's whole tensors can be freed."""
+    """Cut `weights` (HF names; float tensors or QuantizedWeights in their packed formats)
+    down to this rank's share, in place: each sliced and copied (contiguous), so the model's
+    whole tensors can be freed. A quantized weight is cut between its packed groups of 16
+    rows or blocks of 32 columns, never unpacked; a boundary inside one is refused."""
     if shard.world == 1:
         return
     H = arch.head_dim
@@ -102,17 +104,17 @@ def shard_weights(weights: dict[str, torch.Tensor], arch: ModelArchitecture, sha
     v0, v1 = shard.vocab
 
     def rows(t, lo, hi):
+        if isinstance(t, QuantizedWeight):  # whole packed groups of rows, no unpacking
+            return _quantized(slice_rows, t, lo, hi, name)
         return t[lo:hi].contiguous()
 
     def cols(t, lo, hi):
+        if isinstance(t, QuantizedWeight):  # whole blocks of input columns
+            return _quantized(slice_cols, t, lo, hi, name)
         return t[:, lo:hi].contiguous()
 
     for name in list(weights):
         t = weights[name]
-        if isinstance(t, QuantizedWeight):
-            raise ConfigError(
-                "tensor_parallel_size", "tensor parallelism shards float weights only for now: load with --quantization none"
-            )
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             weights[name] = rows(t, q0, q1)
         elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
@@ -125,3 +127,11 @@ def shard_weights(weights: dict[str, torch.Tensor], arch: ModelArchitecture, sha
             weights[name] = cols(t, f0, f1)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             weights[name] = rows(t, v0, v1)
+
+
+def _quantized(cut, w: QuantizedWeight, lo: int, hi: int, name: str) -> QuantizedWeight:
+    try:
+        return cut(w, lo, hi)
+    except ValueError as exc:  # a shard boundary inside a packed group or block
+        raise ConfigError("tensor_parallel_size", f"{name} in its quantized format cannot be split there: {exc}; "
+                          "load with --quantization none") from None  # fmt: skip

@@ -141,14 +141,8 @@ class LLMEngine:
         if loaded is None:
             # the weights' format depends on what this machine can run, so it is settled first
             notes: list[str] = list(tp_notes)
-            if self.tp is not None:
-                if config.quantization in ("int8", "int4"):
-                    raise ConfigError("quantization", "tensor parallelism shards float weights only for now; use none or auto")
-                mode = "none"
-                notes.append("tensor parallel: weights loaded as floats (quantized formats are not sharded yet)")
-            else:
-                quant_kernel = KernelSupport.quant_linear_choice(config.torch_dtype, config.torch_device, ops)
-                mode = resolve_quantization(config.quantization, quant_kernel, notes)
+            quant_kernel = KernelSupport.quant_linear_choice(config.torch_dtype, config.torch_device, ops)
+            mode = resolve_quantization(config.quantization, quant_kernel, notes)
             loaded = load_model(config.model, config.torch_dtype, mode)
             loaded.notes[:0] = notes
         self.format_notes = loaded.notes

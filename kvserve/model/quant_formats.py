@@ -91,6 +91,40 @@ class QuantizedWeight:
         return QuantizedWeight([s for p in parts for s in p.segments])
 
 
+def slice_rows(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
+    """Output rows [lo, hi) of `w` (a tensor-parallel column shard), copied out of the packed
+    layout without unpacking: whole groups of GROUP rows, so lo and hi must fall on them."""
+    if lo % GROUP or hi % GROUP:
+        raise ValueError(f"rows [{lo}, {hi}) are not whole groups of {GROUP} packed rows")
+    out, start = [], 0
+    for seg in w.segments:
+        a, b = max(lo, start), min(hi, start + seg.rows)
+        if a < b:
+            g0, g1 = (a - start) // GROUP, (b - start) // GROUP
+            out.append(dataclasses.replace(
+                seg, rows=b - a, codes=seg.codes[g0:g1].contiguous(), scales=seg.scales[g0:g1].contiguous(),
+                mins=None if seg.mins is None else seg.mins[g0:g1].contiguous(),
+            ))  # fmt: skip
+        start += seg.rows
+    return QuantizedWeight(out)
+
+
+def slice_cols(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
+    """Input columns [lo, hi) of `w` (a tensor-parallel row shard): whole blocks of BLOCK
+    columns, so lo and hi must fall on them. A per-output-channel scale (one per row) stays."""
+    if lo % BLOCK or hi % BLOCK:
+        raise ValueError(f"columns [{lo}, {hi}) are not whole blocks of {BLOCK}")
+    b0, b1 = lo // BLOCK, hi // BLOCK
+    out = []
+    for seg in w.segments:
+        scales = seg.scales if seg.scales.shape[1] == 1 else seg.scales[:, b0:b1].contiguous()
+        out.append(dataclasses.replace(
+            seg, cols=hi - lo, codes=seg.codes[:, b0:b1].contiguous(), scales=scales,
+            mins=None if seg.mins is None else seg.mins[:, b0:b1].contiguous(),
+        ))  # fmt: skip
+    return QuantizedWeight(out)
+
+
 def packable(rows: int, cols: int) -> bool:
     return rows % GROUP == 0 and cols % BLOCK == 0 and rows > 0
 

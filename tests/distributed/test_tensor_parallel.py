@@ -84,19 +84,25 @@ def test_with_preemption_and_chunked_prefill(tiny_model_dirs):
     assert eng1.scheduler.num_preemptions > 0 and eng2.scheduler.num_preemptions == eng1.scheduler.num_preemptions
 
 
-def test_default_model_at_tp_3_in_fp32():
+@pytest.mark.parametrize("formats", [
+    dict(dtype="float32", quantization="none", cpu_kernels=False),  # fp32, the plain-torch path: the issue's check
+    dict(),  # as served by default: its GGUF's Q4_1 weights, each rank's shard in that format, on the CPU kernels
+], ids=["fp32", "q4_1-native"])  # fmt: skip
+def test_default_model_at_tp_3(formats):
     """SmolLM2: 9 query heads, 3 KV heads, FFN 1536, a vocabulary of 49,152 over 3 ranks."""
     prompts = ["The capital of France is", "def fib(n):"]
     params = SamplingParams(temperature=0, max_tokens=12)
-    texts = []
+    texts, engines = [], []
     for tp in (1, 3):
-        llm = LLM(None, dtype="float32", tensor_parallel_size=tp, quantization="none", kv_cache_memory="32MiB",
-                  cpu_kernels=False, distributed_timeout_s=60)  # fmt: skip
+        llm = LLM(None, tensor_parallel_size=tp, kv_cache_memory="32MiB", distributed_timeout_s=60, **formats)
         try:
             texts.append([o.outputs[0].text for o in llm.generate(prompts, params)])
+            engines.append(llm.engine.describe())
         finally:
             llm.engine.close()
     assert texts[0] == texts[1]
+    if not formats:  # the shards kept the file's format (no float copy)
+        assert "Q4_1 (native)" in engines[1] and "tensor parallel rank 0 of 3" in engines[1]
 
 
 def test_a_model_that_does_not_split_is_refused_with_the_reason(tiny_model_dirs):
