@@ -237,7 +237,8 @@ class LlamaForCausalLM(nn.Module):
                 tensors += [t for t in (lin.kernel.weight, lin.kernel.gemv, lin.kernel.amx, lin.kernel.onednn) if t is not None]
             if lin.qweight is not None:
                 tensors += [t for seg in lin.qweight.segments for t in (seg.codes, seg.scales, seg.mins) if t is not None]
-        return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+        # one count per storage (a tied table is held once); an opaque oneDNN copy has no data pointer
+        return sum({(t.data_ptr() if t.layout == torch.strided else id(t)): t.numel() * t.element_size() for t in tensors}.values())
 
     def decode_weight_bytes(self) -> int:
         """Bytes of the weights a decode step reads in full: all but an untied embedding table

@@ -225,3 +225,27 @@ def test_each_rank_runs_the_cpu_kernels_on_its_share(tiny_model_dirs):
         assert got == expected, f"TP {world}"
         if engine1.kernels.decode_attention.enabled:
             assert engine.kernels.decode_attention.enabled and engine.model.fused_decode_rows() == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_per_rank_kv_bytes_are_the_planners(tiny_model_dirs, capsys, world):
+    """`kvserve plan run --num-chips N --kv-layout heads` for the same model gives the KV heads
+    per chip and the KV bytes per request per chip that each rank's start-up report gives
+    (at 4 ranks over 2 KV heads, with the replication both count)."""
+    import json
+
+    from kvserve.cli import main
+
+    model = tiny_model_dirs["llama-8x2"]
+    llm = LLM(model, tensor_parallel_size=world, dtype="bfloat16", kv_cache_memory="2MiB", distributed_timeout_s=30)
+    try:
+        engine = llm.engine
+        S = engine.max_model_len
+        assert main(["plan", "run", "--model", model, "--chip", "h100", "--num-chips", str(world), "--kv-layout", "heads",
+                     "--history-positions", str(S), "--json"]) == 0  # fmt: skip
+        q = json.loads(capsys.readouterr().out)["quantities"]
+        assert q["kv_heads_per_chip"]["value"] == engine.shard.num_kv_heads
+        assert q["kv_bytes_per_request_per_chip"]["value"] == engine.layout.kv_bytes_per_position * S
+        assert f"{engine.layout.kv_bytes_per_position * S:,} bytes per request" in engine.tensor_parallel_line()
+    finally:
+        llm.engine.close()
