@@ -142,36 +142,60 @@ def test_start_up_report_gives_each_ranks_share(tiny_model_dirs):
         llm.engine.close()
 
 
+def _torchrun_serve(torchrun, node, rdzv, http, model, log, *extra):
+    import subprocess
+
+    cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+           "--master-port", str(rdzv), "-m", "kvserve.cli", "serve", "--model", model, "--dtype", "float32",
+           "--tensor-parallel-size", "2", "--port", str(http), "--no-cpu-kernels", "--distributed-timeout", "30", *extra]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun():
+    import shutil
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    return torchrun
+
+
+def test_ranks_started_with_different_flags_refuse_to_start(tiny_model_dirs, tmp_path):
+    """torchrun gives each rank its own command line: a rank whose KV pool differs from rank 0's
+    makes every rank refuse, with a message naming the rank and what differs."""
+    torchrun, model = _torchrun(), tiny_model_dirs["llama-8x2"]
+    rdzv, http = _free_port(), _free_port()
+    procs = [_torchrun_serve(torchrun, node, rdzv, http, model, tmp_path / f"node{node}.log", "--kv-cache-memory", mem)
+             for node, mem in ((0, "2MiB"), (1, "4MiB"))]  # fmt: skip
+    for p in procs:
+        p.wait(timeout=120)
+    assert all(p.returncode != 0 for p in procs)
+    log = (tmp_path / "node0.log").read_text()
+    assert "rank 1 differs from rank 0 in blocks" in log, log[-3000:]
+
+
 def test_two_node_torchrun_launch_serves_the_same_tokens(tiny_model_dirs, tmp_path):
     """Two torchrun "nodes" on this machine (one rank each, a static rendezvous on loopback):
     rank 0 serves the OpenAI API, rank 1 follows its steps; the official client gets the
     tokens one process gives."""
-    import shutil
     import signal
-    import socket
     import subprocess
-    import sys
 
     import openai
 
-    model = tiny_model_dirs["llama-8x2"]
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun is not installed beside this Python")
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    rdzv, http = free_port(), free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-               "--master-port", str(rdzv), "-m", "kvserve.cli", "serve", "--model", model, "--dtype", "float32",
-               "--tensor-parallel-size", "2", "--port", str(http), "--kv-cache-memory", "2MiB", "--no-cpu-kernels",
-               "--distributed-timeout", "30"]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=open(tmp_path / f"node{node}.log", "w"), stderr=subprocess.STDOUT))
+    torchrun, model = _torchrun(), tiny_model_dirs["llama-8x2"]
+    rdzv, http = _free_port(), _free_port()
+    procs = [_torchrun_serve(torchrun, node, rdzv, http, model, tmp_path / f"node{node}.log", "--kv-cache-memory", "2MiB")
+             for node in (0, 1)]  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0, timeout=30)
         deadline = time.monotonic() + 90
