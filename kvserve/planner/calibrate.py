@@ -67,8 +67,11 @@ def memory_bytes(device: str) -> float:
 
 def calibrate(
     device: str = "cpu", read_bytes: int | None = None, matmul_size: int | None = None,
-    seconds: float = 1.0, cost_usd_per_hour: float | None = None, save: bool = True,
+    seconds: float = 1.0, cost_usd_per_hour: float | None = None, save: bool = True, collectives: bool = True,
 ) -> Chip:
+    """Measure this machine as the `local` chip. `collectives`: also time a two-rank gloo
+    AllReduce on this host (planner/collectives.py) for the link's α and bandwidth; without it
+    the link is taken as the memory bandwidth with a rough α."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     if kind == "cuda":
         import torch
@@ -84,11 +87,19 @@ def calibrate(
         checks.non_negative("cost_usd_per_hour", cost_usd_per_hour)
     beta = measure_read_bytes_per_s(read_bytes, seconds, device)
     flops = measure_bf16_flops_per_s(matmul_size, seconds, device)
+    link_bw, link_alpha = beta, LOCAL_LINK_LATENCY_S
+    link_note = "link = memory bandwidth, α a rough figure"
+    if collectives:
+        from kvserve.planner.collectives import measure_allreduce
+
+        fit = measure_allreduce()
+        link_bw, link_alpha = fit.bytes_per_s, fit.latency_s
+        link_note = (f"link: a two-rank gloo AllReduce on this host, fp32 [1..4096, 576], fitted α + κ·bytes/bandwidth "
+                     f"({len(fit.samples)} sizes)")  # fmt: skip
     chip = Chip(
         "local", memory_bytes(device), beta, flops,
-        None if cost_usd_per_hour is None else cost_usd_per_hour / 3600, beta, LOCAL_LINK_LATENCY_S,
-        note=f"measured on {device} by `kvserve plan calibrate` ({read_bytes} B read, {matmul_size}² bf16 matmul); "
-        "link = memory bandwidth, α a rough figure",
+        None if cost_usd_per_hour is None else cost_usd_per_hour / 3600, link_bw, link_alpha,
+        note=f"measured on {device} by `kvserve plan calibrate` ({read_bytes} B read, {matmul_size}² bf16 matmul); {link_note}",
     )
     if save:
         save_local_chip(chip, {"measured_at": datetime.now(timezone.utc).isoformat(), "device": device})

@@ -60,6 +60,8 @@ def register(subparsers) -> None:
     calibrate.add_argument("--matmul-size", type=int, help="n of the n×n bf16 matmul (default 2048 cpu, 8192 cuda)")
     calibrate.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement (default 1)")
     calibrate.add_argument("--chip-cost-usd-per-hour", type=float, help="price to store with the measurement")
+    calibrate.add_argument("--collectives", action=argparse.BooleanOptionalAction, default=True,
+                           help="time a two-rank gloo AllReduce on this host for the TP link's α and bandwidth (default on)")
     calibrate.set_defaults(func=_calibrate)
 
     presets = sub.add_parser("presets", help="list model and chip presets")
@@ -224,9 +226,12 @@ def _calibrate(args) -> int:
     from kvserve.planner.quantity import show
 
     read_bytes = None if args.read_mb is None else int(args.read_mb * 2**20)
-    chip = calibrate(args.device, read_bytes, args.matmul_size, args.seconds, args.chip_cost_usd_per_hour)
+    chip = calibrate(args.device, read_bytes, args.matmul_size, args.seconds, args.chip_cost_usd_per_hour,
+                     collectives=args.collectives)  # fmt: skip
     print(f"memory {show(chip.hbm_bytes, 'B')}, read bandwidth {show(chip.hbm_bytes_per_s, 'B/s')}, "
           f"bf16 matmul {chip.peak_flops_per_s / 1e9:.4g} GFLOP/s")
+    print(f"TP link: α {chip.link_latency_s * 1e6:.1f} µs, {show(chip.link_bytes_per_s, 'B/s')}"
+          f"{' (a two-rank gloo AllReduce on this host)' if args.collectives else ' (assumed: memory bandwidth)'}")
     print(f"wrote {local_chip_path()}; use it with --chip local")
     return 0
 

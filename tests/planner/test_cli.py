@@ -77,7 +77,7 @@ def test_calibrate_then_plan_on_local_chip(cache_dir, capsys):
     assert main(argv) == 0
     assert (cache_dir / "local_chip.json").exists()
     assert main(["plan", "run", "--model", "smollm2-135m", "--chip", "local", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out.split("\n", 2)[2])
+    data = json.loads(capsys.readouterr().out.split("\n", 3)[3])  # after calibrate's three lines
     assert data["inputs"]["chip"]["name"] == "local"
     assert data["quantities"]["capacity_batch"]["value"] > 0
 
@@ -95,3 +95,20 @@ def test_missing_subcommand_or_required_flags(argv, capsys):
     else:
         with pytest.raises(SystemExit):
             main(argv)
+
+
+def test_calibrate_measures_the_tp_link_with_a_real_allreduce(cache_dir, capsys):
+    """Two gloo ranks on this host: the α and bandwidth stored for `--chip local` are the
+    fit of their AllReduce times, not the memory bandwidth; without it, the old assumption."""
+    from kvserve.planner import hardware
+
+    base = ["plan", "calibrate", "--read-mb", "1", "--matmul-size", "32", "--seconds", "0.01"]
+    assert main([*base, "--no-collectives"]) == 0
+    assumed = hardware.load_local_chip()
+    assert "assumed" in capsys.readouterr().out and assumed.link_bytes_per_s == assumed.hbm_bytes_per_s
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    measured = hardware.load_local_chip()
+    assert "two-rank gloo AllReduce" in out and "two-rank gloo AllReduce" in measured.note
+    assert measured.link_latency_s > 0 and measured.link_bytes_per_s > 0
+    assert measured.link_bytes_per_s != measured.hbm_bytes_per_s
