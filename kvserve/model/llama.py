@@ -96,7 +96,8 @@ class LlamaAttention(nn.Module):
 
 def _all_reduce(tp, x: torch.Tensor) -> torch.Tensor:
     """Σ over the tensor-parallel ranks (none without a group), in fp32 whatever the model's
-    dtype: the sum rounds once, as one rank's full matmul would."""
+    dtype: each rank's partial output is added without a bf16 rounding after every addition,
+    and the total is rounded to the model's dtype once."""
     if tp is None or tp.world == 1:
         return x
     if x.dtype == torch.float32:
