@@ -105,6 +105,8 @@ class EngineConfig:
     # NCCL on CUDA); started here on one host, or by torchrun across hosts (env://)
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0  # a collective waiting longer fails: a dead or hung rank
+    # auto: AllReduce through shared memory when every rank is on this host (else gloo/NCCL); gloo: always the backend
+    tensor_parallel_allreduce: str = "auto"
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
     # weight format: auto = a GGUF's quantized tensors in their own format, float weights in
@@ -146,6 +148,8 @@ class EngineConfig:
             raise ConfigError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_allreduce not in ("auto", "gloo"):
+            raise ConfigError("tensor_parallel_allreduce", f"must be auto or gloo, got {self.tensor_parallel_allreduce!r}")
         if not self.distributed_timeout_s > 0:
             raise ConfigError("distributed_timeout_s", f"must be > 0 seconds, got {self.distributed_timeout_s}")
         self.torch_device = resolve_device(self.device)

@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="torch threads, per rank (0 = torch's default)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of one model over torch.distributed (gloo on CPU): started here on one host, or by torchrun")
+    g.add_argument("--tp-allreduce", choices=["auto", "gloo"], default="auto",
+                   help="auto: AllReduce through shared memory when every rank is on this host; gloo: the backend's always")
     g.add_argument("--distributed-timeout", type=float, default=120.0,
                    help="seconds a collective may wait before a rank counts as dead (default 120)")
     g.add_argument(
@@ -86,6 +88,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         num_threads=args.threads,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         distributed_timeout_s=getattr(args, "distributed_timeout", 120.0),
+        tensor_parallel_allreduce=getattr(args, "tp_allreduce", "auto"),
         cpu_kernels=args.cpu_kernels,
         prepack_weights=args.prepack_weights,
         quantization=args.quantization,

@@ -30,6 +30,7 @@ class TensorParallelGroup:
         self.world = world
         self.device = device
         self.backend = dist.get_backend() if world > 1 else "none"
+        self.shm = None  # shm_allreduce.ShmAllReduce once use_shared_memory ran
         # time this rank spent inside collectives (waiting included), by kind: what
         # `kvserve bench latency --tensor-parallel-size N` sets beside the step time
         self.comm_seconds: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "broadcast": 0.0}
@@ -68,11 +69,33 @@ class TensorParallelGroup:
         """Rank 0: it schedules, samples and serves."""
         return self.rank == 0
 
+    def use_shared_memory(self, max_elements: int, timeout_s: float) -> None:
+        """Every rank on this host: AllReduces of up to `max_elements` fp32 elements go through
+        a shared segment (shm_allreduce.py) instead of gloo's sockets. Collective: all ranks call it."""
+        from kvserve.distributed.shm_allreduce import ShmAllReduce
+
+        if self.world == 1:
+            return
+        path = None
+        if self.is_driver:
+            self.shm = ShmAllReduce(None, 0, self.world, max_elements, timeout_s)
+            path = self.shm.path
+        path = self.broadcast_object(path)
+        if not self.is_driver:
+            self.shm = ShmAllReduce(path, self.rank, self.world, max_elements, timeout_s)
+        dist.barrier()  # every rank has mapped it: its name can go
+        if self.is_driver:
+            self.shm.unlink()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Σ over ranks, in place (a row-parallel projection's partial sums)."""
+        """Σ over ranks, in place (a row-parallel projection's partial sums): through shared
+        memory where every rank is on this host and x fits, else gloo/NCCL."""
         if self.world > 1:
             t0 = time.perf_counter()
-            dist.all_reduce(x)
+            if self.shm is not None and self.shm.fits(x):
+                self.shm.all_reduce(x)
+            else:
+                dist.all_reduce(x)
             self._timed("all_reduce", t0)
         return x
 
@@ -108,5 +131,8 @@ class TensorParallelGroup:
         return out
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -37,7 +37,7 @@ def start_local_ranks(config) -> tuple[list[mp.Process], str]:
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, world):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": addr,
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": addr,
                "MASTER_PORT": port}  # fmt: skip
         p = ctx.Process(target=_rank_main, args=(config, env), name=f"kvserve-rank-{rank}", daemon=True)
         p.start()

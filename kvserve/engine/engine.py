@@ -77,6 +77,9 @@ class EngineCounters:
     shared_prefix_steps: int = 0  # steps whose decode attention read shared prefixes once per group
 
 
+SHM_ALLREDUCE_ELEMENTS = 1 << 20  # fp32 elements per rank's slot: 4 MiB, two buffers of N slots
+
+
 def _stop_ranks(tp: TensorParallelGroup, procs: list, send_stop: bool) -> None:
     """Rank 0's end of the group: the stop to the other ranks (unless the group is broken),
     leaving it, and the ranks it started joined (killed past 30 s)."""
@@ -120,7 +123,13 @@ class LLMEngine:
                 raise ConfigError(
                     "tensor_parallel_size", f"{config.tensor_parallel_size} asked, but the launcher started {self.tp.world} ranks"
                 )
-            tp_notes.append(f"tensor parallel: rank {self.tp.rank} of {self.tp.world} ({self.tp.backend})")
+            one_host = not launched_by_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+            if config.tensor_parallel_allreduce == "auto" and one_host and config.torch_device.type == "cpu":
+                # a decode step's [B, D] partial sums fit (the small messages whose latency gloo
+                # dominates); a long prefill chunk's larger ones go to gloo
+                self.tp.use_shared_memory(SHM_ALLREDUCE_ELEMENTS, config.distributed_timeout_s)
+            allreduce = "shared memory" if self.tp.shm is not None else self.tp.backend
+            tp_notes.append(f"tensor parallel: rank {self.tp.rank} of {self.tp.world} ({self.tp.backend}; AllReduce: {allreduce})")
             self._finalizer = weakref.finalize(self, _stop_ranks, self.tp, self._rank_procs, True)
         try:
             self._build(config, loaded, tp_notes)

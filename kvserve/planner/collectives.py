@@ -29,41 +29,47 @@ class LinkFit:
     samples: list[tuple[int, float]]  # (bytes per rank, best seconds)
 
 
-def _rank(rank: int, port: int, sizes: list[int], repeats: int, out) -> None:
+def _rank(rank: int, port: int, sizes: list[int], repeats: int, out, shared_memory: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
+    from kvserve.distributed.group import TensorParallelGroup
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    group = TensorParallelGroup.join(rank, RANKS, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    if shared_memory:  # the engine's same-host path (distributed/shm_allreduce.py)
+        group.use_shared_memory(max(sizes), 60.0)
     try:
         times = []
         for n in sizes:
             x = torch.ones(n, dtype=torch.float32)
             for _ in range(3):  # warm the connection and the buffers
-                dist.all_reduce(x)
+                group.all_reduce(x)
             best = float("inf")
             for _ in range(repeats):
                 dist.barrier()
                 t0 = time.perf_counter()
-                dist.all_reduce(x)
+                group.all_reduce(x)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
         if rank == 0:
             out.put(times)
     finally:
-        dist.destroy_process_group()
+        group.close()
 
 
 def measure_allreduce(width: int = DEFAULT_WIDTH, rows: tuple[int, ...] = DEFAULT_ROWS, repeats: int = 20,
-                      timeout_s: float = 120.0) -> LinkFit:  # fmt: skip
-    """Best-of-`repeats` AllReduce time of fp32 [rows, width] between two local ranks, fitted."""
+                      timeout_s: float = 120.0, shared_memory: bool = False) -> LinkFit:  # fmt: skip
+    """Best-of-`repeats` AllReduce time of fp32 [rows, width] between two local ranks, fitted;
+    gloo's, or with `shared_memory` the engine's same-host AllReduce."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sizes = [r * width for r in rows]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, sizes, repeats, out), daemon=True) for r in range(RANKS)]
+    procs = [ctx.Process(target=_rank, args=(r, port, sizes, repeats, out, shared_memory), daemon=True)
+             for r in range(RANKS)]  # fmt: skip
     for p in procs:
         p.start()
     try:
@@ -79,3 +85,22 @@ def measure_allreduce(width: int = DEFAULT_WIDTH, rows: tuple[int, ...] = DEFAUL
     slope, alpha = np.polyfit(np.array(nbytes, dtype=float) * KAPPA, np.array(times), 1)
     bandwidth = 1 / slope if slope > 0 else KAPPA * nbytes[-1] / max(times[-1], 1e-9)
     return LinkFit(max(float(alpha), 0.0), float(bandwidth), list(zip(nbytes, times)))
+
+
+def main(argv=None) -> None:
+    """python -m kvserve.planner.collectives: gloo's AllReduce against the shared-memory one,
+    two ranks on this host, alternating, per message size."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    print(f"{'bytes per rank':>15} " + " ".join(f"{name + ' µs':>14}" for name in ("gloo", "shared memory")) + "  ratio")
+    for _ in range(args.rounds):
+        gloo, shm = measure_allreduce(), measure_allreduce(shared_memory=True)
+        for (nbytes, g), (_, m) in zip(gloo.samples, shm.samples):
+            print(f"{nbytes:>15,} {g * 1e6:>14.1f} {m * 1e6:>14.1f}  {g / m:5.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -69,6 +69,16 @@ def test_greedy_tokens_equal_one_process(tiny_model_dirs, variant, worlds):
         assert engine.shard.world == world
 
 
+def test_shared_memory_and_gloo_allreduce_give_the_same_tokens(tiny_model_dirs):
+    """On one host the AllReduce goes through shared memory (auto); `gloo` forces the backend.
+    Both equal one process, and the start-up notes say which ran."""
+    model = tiny_model_dirs["llama-12x4"]
+    expected, _ = _tokens(model, 1)
+    for mode, shown in (("auto", "AllReduce: shared memory"), ("gloo", "AllReduce: gloo")):
+        got, engine = _tokens(model, 2, tensor_parallel_allreduce=mode)
+        assert got == expected and shown in engine.describe(), mode
+
+
 def test_with_preemption_and_chunked_prefill(tiny_model_dirs):
     model = tiny_model_dirs["llama-8x2"]
     prompts = [[3 + (i * 7 + j) % 200 for j in range(20)] for i in range(6)]
