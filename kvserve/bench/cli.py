@@ -17,7 +17,10 @@ def _command(name: str):
     def run(args: argparse.Namespace) -> int:
         from kvserve.bench import commands
 
-        return getattr(commands, name)(args)
+        try:
+            return getattr(commands, name)(args)
+        finally:
+            commands.close_engines()
 
     return run
 

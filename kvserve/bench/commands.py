@@ -98,12 +98,23 @@ def _write_outputs(args: argparse.Namespace, benchmark: str, results: dict[str, 
         print(f"wrote {path}", file=sys.stderr)
 
 
+_OPEN_ENGINES: list = []  # engines the running command built: closed when it returns (close_engines)
+
+
 def _engine(args: argparse.Namespace):
     from kvserve.engine.llm import LLM
 
     llm = LLM.from_config(engine_config_from_args(args))
+    _OPEN_ENGINES.append(llm.engine)
     print(llm.engine.describe(), file=sys.stderr)
     return llm
+
+
+def close_engines() -> None:
+    """Close what the command opened: a tensor-parallel engine's ranks stop, and its group is
+    left, so a later engine in the same process can form its own."""
+    while _OPEN_ENGINES:
+        _OPEN_ENGINES.pop().close()
 
 
 # ---- commands ----------------------------------------------------------------------------

@@ -23,7 +23,8 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nobody holds now (the rendezvous of ranks this host starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -33,7 +34,7 @@ def start_local_ranks(config) -> tuple[list[mp.Process], str]:
     """Ranks 1..N-1 of `config` on this host, and the tcp:// address this process joins as
     rank 0 (its own environment untouched, so a later engine in it starts afresh)."""
     world = config.tensor_parallel_size
-    addr, port = "127.0.0.1", str(_free_port())
+    addr, port = "127.0.0.1", str(free_port())
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, world):

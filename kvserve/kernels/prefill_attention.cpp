@@ -307,10 +307,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                   v_pool.scalar_type() == pool_type && out.scalar_type() == at::kBFloat16,
               "paged_prefill_attention: bf16 queries, bf16 or int8 pools");
   if (int8) {
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
-                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                    k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
-                "paged_prefill_attention: int8 pools need contiguous float32 scales, one per (slot, KV head)");
+    check_int8_pools(k_pool, v_pool, k_scale, v_scale, "paged_prefill_attention");
   } else {
     TORCH_CHECK(!k_scale && !v_scale, "paged_prefill_attention: scales are for int8 pools only");
   }

@@ -10,7 +10,6 @@ the planner's collective time uses (planner/parallel.py), measured instead of as
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from dataclasses import dataclass
 
@@ -62,9 +61,9 @@ def measure_allreduce(width: int = DEFAULT_WIDTH, rows: tuple[int, ...] = DEFAUL
                       timeout_s: float = 120.0, shared_memory: bool = False) -> LinkFit:  # fmt: skip
     """Best-of-`repeats` AllReduce time of fp32 [rows, width] between two local ranks, fitted;
     gloo's, or with `shared_memory` the engine's same-host AllReduce."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from kvserve.distributed.launch import free_port
+
+    port = free_port()
     sizes = [r * width for r in rows]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

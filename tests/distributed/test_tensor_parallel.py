@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.distributed.launch import free_port
 from kvserve.distributed.sharding import plan_shard
 from kvserve.errors import ConfigError
 from kvserve.model.arch import ModelArchitecture
@@ -161,14 +162,6 @@ def _torchrun_serve(torchrun, node, rdzv, http, model, log, *extra):
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun():
     import shutil
     import sys
@@ -183,7 +176,7 @@ def test_ranks_started_with_different_flags_refuse_to_start(tiny_model_dirs, tmp
     """torchrun gives each rank its own command line: a rank whose KV pool differs from rank 0's
     makes every rank refuse, with a message naming the rank and what differs."""
     torchrun, model = _torchrun(), tiny_model_dirs["llama-8x2"]
-    rdzv, http = _free_port(), _free_port()
+    rdzv, http = free_port(), free_port()
     procs = [_torchrun_serve(torchrun, node, rdzv, http, model, tmp_path / f"node{node}.log", "--kv-cache-memory", mem)
              for node, mem in ((0, "2MiB"), (1, "4MiB"))]  # fmt: skip
     for p in procs:
@@ -203,7 +196,7 @@ def test_two_node_torchrun_launch_serves_the_same_tokens(tiny_model_dirs, tmp_pa
     import openai
 
     torchrun, model = _torchrun(), tiny_model_dirs["llama-8x2"]
-    rdzv, http = _free_port(), _free_port()
+    rdzv, http = free_port(), free_port()
     procs = [_torchrun_serve(torchrun, node, rdzv, http, model, tmp_path / f"node{node}.log", "--kv-cache-memory", "2MiB")
              for node in (0, 1)]  # fmt: skip
     try:
