@@ -66,6 +66,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+KV_LAYOUTS = ("heads", "requests")  # the planner's --kv-layout names the same two (planner/layout.py)
 SHARED_PREFIX_ATTENTION = ("auto", "off")
 
 
@@ -107,6 +108,10 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0  # a collective waiting longer fails: a dead or hung rank
     # auto: AllReduce through shared memory when every rank is on this host (else gloo/NCCL); gloo: always the backend
     tensor_parallel_allreduce: str = "auto"
+    # where KV lives under tensor parallelism (seed §5): heads = each rank keeps its query heads'
+    # KV heads for every request; requests = each rank keeps every KV head of its share of the
+    # requests (no replication), Q and attention outputs moved by all-to-all every layer
+    kv_layout: str = "heads"
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
     # weight format: auto = a GGUF's quantized tensors in their own format, float weights in
@@ -150,6 +155,8 @@ class EngineConfig:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_allreduce not in ("auto", "gloo"):
             raise ConfigError("tensor_parallel_allreduce", f"must be auto or gloo, got {self.tensor_parallel_allreduce!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError("kv_layout", f"must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if not self.distributed_timeout_s > 0:
             raise ConfigError("distributed_timeout_s", f"must be > 0 seconds, got {self.distributed_timeout_s}")
         self.torch_device = resolve_device(self.device)

@@ -24,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="ranks of one model over torch.distributed (gloo on CPU): started here on one host, or by torchrun")
     g.add_argument("--tp-allreduce", choices=["auto", "gloo"], default="auto",
                    help="auto: AllReduce through shared memory when every rank is on this host; gloo: the backend's always")
+    g.add_argument("--kv-layout", choices=["heads", "requests"], default="heads",
+                   help="under tensor parallelism: heads = each rank keeps its heads' KV for every request; requests = "
+                        "each rank keeps whole requests' KV (no replication), Q and attention outputs exchanged per layer")
     g.add_argument("--distributed-timeout", type=float, default=120.0,
                    help="seconds a collective may wait before a rank counts as dead (default 120)")
     g.add_argument(
@@ -89,6 +92,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         distributed_timeout_s=getattr(args, "distributed_timeout", 120.0),
         tensor_parallel_allreduce=getattr(args, "tp_allreduce", "auto"),
+        kv_layout=getattr(args, "kv_layout", "heads"),
         cpu_kernels=args.cpu_kernels,
         prepack_weights=args.prepack_weights,
         quantization=args.quantization,

@@ -73,6 +73,7 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
         step_times_s = []
         tp = engine.tp
         comm_before = dict(tp.comm_seconds) if tp is not None else {}
+        calls_before = dict(tp.comm_calls) if tp is not None else {}
         for _ in range(settings.decode_steps):
             start = time.perf_counter()
             engine.step()
@@ -91,7 +92,12 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
     }
     if tp is not None:  # rank 0's time inside collectives (waits for the other ranks included), per decode step
         out["tensor_parallel_size"] = tp.world
-        out["comm_ms_per_step"] = {k: (tp.comm_seconds[k] - comm_before[k]) * 1e3 / settings.decode_steps for k in comm_before}
+        out["kv_layout"] = "requests" if engine.requests_layout else "heads"
+        # the kinds the steps used (all_to_all only in the requests KV layout)
+        out["comm_ms_per_step"] = {
+            k: (tp.comm_seconds[k] - comm_before[k]) * 1e3 / settings.decode_steps for k in comm_before
+            if tp.comm_calls[k] > calls_before[k]
+        }
     return out
 
 

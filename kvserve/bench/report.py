@@ -41,7 +41,7 @@ def print_latency(results: dict[str, Any], console: Console | None = None) -> No
     console.print(table)
     if "comm_ms_per_step" in d:
         comm = d["comm_ms_per_step"]
-        console.print(f"tensor parallel, {d['tensor_parallel_size']} ranks: of {_f(d['step_ms']['median'], 2)} ms per decode "
+        console.print(f"tensor parallel, {d['tensor_parallel_size']} ranks, KV layout {d.get('kv_layout', 'heads')}: of {_f(d['step_ms']['median'], 2)} ms per decode "
                       f"step, collectives {sum(comm.values()):.2f} ms (" + ", ".join(f"{k} {v:.2f}" for k, v in comm.items())
                       + "; rank 0, waits for the other ranks included)")
     for note in results.get("notes", []):

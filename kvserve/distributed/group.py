@@ -33,8 +33,9 @@ class TensorParallelGroup:
         self.shm = None  # shm_allreduce.ShmAllReduce once use_shared_memory ran
         # time this rank spent inside collectives (waiting included), by kind: what
         # `kvserve bench latency --tensor-parallel-size N` sets beside the step time
-        self.comm_seconds: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "broadcast": 0.0}
-        self.comm_calls: dict[str, int] = {"all_reduce": 0, "all_gather": 0, "broadcast": 0}
+        kinds = ("all_reduce", "all_gather", "all_to_all", "broadcast")
+        self.comm_seconds: dict[str, float] = dict.fromkeys(kinds, 0.0)
+        self.comm_calls: dict[str, int] = dict.fromkeys(kinds, 0)
 
     def _timed(self, kind: str, t0: float) -> None:
         self.comm_seconds[kind] += time.perf_counter() - t0
@@ -111,6 +112,20 @@ class TensorParallelGroup:
         dist.all_gather(parts, padded.contiguous())
         self._timed("all_gather", t0)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+    def all_to_all(self, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        """x (1-D) cut into `in_splits` elements per destination rank, in rank order; returns
+        what every rank sent this one, `out_splits` elements per source rank, joined in rank
+        order (the requests layout's Q and attention-output moves). 16-bit floats travel as
+        int16: the same bytes, and every backend moves integers."""
+        out = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
+        if self.world == 1:
+            return out.copy_(x)
+        wire = (lambda t: t.view(torch.int16)) if x.element_size() == 2 and x.is_floating_point() else (lambda t: t)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(wire(out), wire(x), output_split_sizes=out_splits, input_split_sizes=in_splits)
+        self._timed("all_to_all", t0)
+        return out
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled; the step's inputs)."""

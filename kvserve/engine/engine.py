@@ -23,10 +23,12 @@ from kvserve.attention.cascade import SharedPrefixRule
 from kvserve.config import EngineConfig
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.distributed.launch import launched_by_torchrun, start_local_ranks
+from kvserve.distributed.request_layout import RequestHeads
 from kvserve.distributed.sharding import plan_shard, shard_weights
 from kvserve.engine.allocator import release_free_memory, tune_malloc
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_placement import RequestShardedKVCache
 from kvserve.engine.model_runner import ModelRunner, plan_kv_pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler
@@ -169,8 +171,13 @@ class LLMEngine:
         self.shard = plan_shard(arch, rank, world)
         shard_weights(loaded.weights, arch, self.shard)
         local_arch = self.shard.local_arch(arch)
+        # the requests KV layout: this rank's pool holds every KV head of the requests placed
+        # on it, and its attention runs with all heads (distributed/request_layout.py)
+        self.requests_layout = requests_layout = config.kv_layout == "requests" and world > 1
+        attention_arch = dataclasses.replace(local_arch, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads) \
+            if requests_layout else local_arch  # fmt: skip
 
-        layout = plan_kv_pool(local_arch, config.torch_kv_dtype, config.kv_cache_memory, config.block_size)
+        layout = plan_kv_pool(attention_arch, config.torch_kv_dtype, config.kv_cache_memory, config.block_size)
         if layout.num_blocks < 1:
             need = layout.kv_bytes_per_position * config.block_size
             raise ConfigError("kv_cache_memory", f"{config.kv_cache_memory} bytes hold no block; at least {need} needed")
@@ -193,7 +200,7 @@ class LLMEngine:
 
         # which kernel runs each part of this model, decided once; the model only follows it
         self.kernels = KernelSupport.decide(
-            local_arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype
+            attention_arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype
         )
         vocab_sizes = [plan_shard(arch, r, world).vocab for r in range(world)]
         model = LlamaForCausalLM(
@@ -204,12 +211,22 @@ class LLMEngine:
         release_free_memory()  # the load's freed transients, before the pools are allocated
         self.model = model.to(config.torch_device)
         self.model.process_weights_after_loading()
-        self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
+        if requests_layout:
+            self.model.request_heads = RequestHeads.from_shards(
+                [plan_shard(arch, r, world) for r in range(world)], arch.num_heads, arch.num_kv_heads, arch.head_dim
+            )
+            # rank 0 places each request on a rank's pool; each pool has its own prefix cache
+            self.kv_cache = RequestShardedKVCache(world, layout.num_blocks, config.block_size, config.enable_prefix_caching)
+        else:
+            self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         rule = SharedPrefixRule(
             min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size), min_group_size=config.shared_prefix_min_group
         )
-        self.runner = ModelRunner(self.model, layout, config.torch_device, config.shared_prefix_attention, rule, self.tp)
+        self.runner = ModelRunner(
+            self.model, layout, config.torch_device, config.shared_prefix_attention, rule, self.tp,
+            pool_kv_heads=arch.num_kv_heads if requests_layout else None,
+        )  # fmt: skip
         if self.tp is not None:
             self._check_ranks_agree()
         self.sampler = Sampler(self.kernels.op("argmax_rows"))
@@ -227,7 +244,7 @@ class LLMEngine:
         mine = {
             "model": str(self.model_name), "arch": self.arch, "dtype": str(c.torch_dtype), "kv_dtype": str(self.layout.kv_dtype),
             "blocks": self.layout.num_blocks, "block_size": c.block_size, "max_model_len": self.max_model_len,
-            "prefix_caching": c.enable_prefix_caching, "shared_prefix_attention": c.shared_prefix_attention,
+            "prefix_caching": c.enable_prefix_caching, "shared_prefix_attention": c.shared_prefix_attention, "kv_layout": c.kv_layout,
         }  # fmt: skip
         everyone = self.tp.gather_objects(mine)
         verdict = None
@@ -371,7 +388,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (and nothing done) while requests hold blocks."""
-        return self.kv_cache.pool.reset_prefix_cache()
+        return self.kv_cache.reset_prefix_cache()
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -491,15 +508,21 @@ class LLMEngine:
 
     def tensor_parallel_line(self) -> str:
         """Under tensor parallelism, this rank's share: heads, KV heads (and how many ranks hold
-        each), FFN columns, vocabulary rows, weight bytes and c_kv per rank; else nothing."""
+        each, or the requests layout's whole requests), FFN columns, vocabulary rows, weight
+        bytes and c_kv per rank; else nothing."""
         sh = self.shard
         if sh.world == 1:
             return ""
         per_request = self.layout.kv_bytes_per_position * self.max_model_len
+        if self.requests_layout:
+            kv = (f"KV layout requests: all {self.arch.num_kv_heads} KV heads of the requests placed on this rank "
+                  "(none replicated; Q and attention outputs exchanged per layer)")  # fmt: skip
+        else:
+            kv = (f"KV heads [{sh.kv_heads[0]}, {sh.kv_heads[1]}) (each held by {sh.kv_replication} rank"
+                  f"{'s' if sh.kv_replication > 1 else ''})")  # fmt: skip
         return (
-            f"tensor parallel rank {sh.rank} of {sh.world}: query heads [{sh.q_heads[0]}, {sh.q_heads[1]}), "
-            f"KV heads [{sh.kv_heads[0]}, {sh.kv_heads[1]}) (each held by {sh.kv_replication} rank"
-            f"{'s' if sh.kv_replication > 1 else ''}), FFN [{sh.ffn[0]}, {sh.ffn[1]}), vocabulary [{sh.vocab[0]}, {sh.vocab[1]}); "
+            f"tensor parallel rank {sh.rank} of {sh.world}: query heads [{sh.q_heads[0]}, {sh.q_heads[1]}), {kv}, "
+            f"FFN [{sh.ffn[0]}, {sh.ffn[1]}), vocabulary [{sh.vocab[0]}, {sh.vocab[1]}); "
             f"per rank: weights {self.model.weight_bytes():,} bytes, KV {self.layout.kv_bytes_per_position:,} bytes/position, "
             f"{per_request:,} bytes per request of max_model_len\n"
         )

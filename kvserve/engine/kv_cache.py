@@ -94,3 +94,14 @@ class KVCacheManager:
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def ranks_of(self, request_ids: list[str]) -> dict[str, int] | None:
+        """Which rank's pool holds each request's KV: None, there is one pool (see kv_placement.py)."""
+        return None
+
+    def shares_pool(self, a: Request, b: Request) -> bool:
+        """Whether freeing b's blocks can make room for a: always, with one pool."""
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

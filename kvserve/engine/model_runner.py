@@ -16,6 +16,7 @@ import torch
 
 from kvserve.attention.cascade import SharedPrefixRule, find_shared_prefill_prefixes
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
+from kvserve.distributed.request_layout import RequestShardedMetadata
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.model.arch import ModelArchitecture
@@ -88,7 +89,7 @@ class StepMessage:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, layout: KVPoolLayout, device: torch.device, shared_prefix_attention: str = "auto",
-        shared_prefix_rule: SharedPrefixRule | None = None, tp=None,
+        shared_prefix_rule: SharedPrefixRule | None = None, tp=None, pool_kv_heads: int | None = None,
     ):
         self.model = model
         # distributed/group.py TensorParallelGroup (None: one process); rank 0 sends each step's inputs
@@ -100,7 +101,8 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         arch = model.arch
-        shape = (layout.num_blocks, layout.block_size, arch.num_kv_heads, arch.head_dim)
+        # the pools hold this rank's KV heads; every KV head under the requests KV layout (pool_kv_heads)
+        shape = (layout.num_blocks, layout.block_size, pool_kv_heads or arch.num_kv_heads, arch.head_dim)
         # one allocation for all layers' K and V: [2, L, blocks, block_size, N_kv, H], in the
         # layout's dtype (the model's, or int8); int8 pools get their scales beside them in a
         # second one, [2, L, blocks, block_size, N_kv] fp32 (kvserve/attention/paged.py quantize_kv)
@@ -115,21 +117,20 @@ class ModelRunner:
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
 
     def prepare(self, scheduler_output: SchedulerOutput) -> StepBatch:
-        bs = self.layout.block_size
         block_tables = scheduler_output.block_tables
         scheduled = scheduler_output.scheduled
-        ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in ordered if s.num_new_tokens == 1]
+        kv_ranks = scheduler_output.kv_ranks
+        if kv_ranks is None:
+            ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
+        else:  # the requests KV layout: each rank's rows together, in rank order, decodes first within
+            ordered = sorted(scheduled, key=lambda s: (kv_ranks[s.request.request_id], s.num_new_tokens > 1))
 
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         last_row: dict[str, int] = {}  # request id -> its last row in the flat batch
-        prefills: list[PrefillSegment] = []
         prompt_rows: list[tuple[Request, int, int]] = []
         for s in ordered:
             req, start, m = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            table = block_tables[req.request_id]
             query_start = len(input_ids)
             if req.wants_prompt_logprobs:
                 # position p scores prompt token p + 1; those scored already (before a
@@ -141,6 +142,41 @@ class ModelRunner:
                     prompt_rows.append((req, query_start + first - start, end - first))
             input_ids.extend(req.all_token_ids[start : start + m])
             positions.extend(range(start, start + m))
+            last_row[req.request_id] = query_start + m - 1
+        # logits rows in the order of the scheduler's sampling requests, whatever the batch's order
+        sampling = scheduler_output.sampling
+        logits_indices = [last_row[s.request.request_id] for s in sampling]
+
+        if kv_ranks is None:
+            meta = self._attention_metadata(ordered, block_tables)
+        else:
+            world = self.tp.world if self.tp is not None else 1
+            per_rank = [[s for s in ordered if kv_ranks[s.request.request_id] == r] for r in range(world)]
+            meta = RequestShardedMetadata(
+                [self._attention_metadata(rows, block_tables) for rows in per_rank],
+                [sum(s.num_new_tokens for s in rows) for rows in per_rank],
+            )
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            sampling=sampling,
+            prompt_rows=prompt_rows,
+        )
+
+    def _attention_metadata(self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> AttentionMetadata:
+        """The attention metadata of these requests' rows (decodes first, then prefill chunks),
+        query offsets counted from their first row: the whole step, or one rank's rows under
+        the requests KV layout (its block tables then index its own pool)."""
+        bs = self.layout.block_size
+        decodes = [s for s in ordered if s.num_new_tokens == 1]
+        slot_mapping: list[int] = []
+        prefills: list[PrefillSegment] = []
+        query_start = 0
+        for s in ordered:
+            req, start, m = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = block_tables[req.request_id]
             if m == 1:
                 slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
@@ -155,10 +191,7 @@ class ModelRunner:
                         attn_bias=rectangular_causal_bias(start, m, self.model.dtype).to(self.device) if start else None,
                     )
                 )
-            last_row[req.request_id] = query_start + m - 1
-        # logits rows in the order of the scheduler's sampling requests, whatever the batch's order
-        sampling = scheduler_output.sampling
-        logits_indices = [last_row[s.request.request_id] for s in sampling]
+            query_start += m
 
         decode_slots = decode_mask = decode_lens = decode_tables = cascade = None
         kv_positions_read = sum(seg.num_cached + seg.num_new for seg in prefills)
@@ -197,7 +230,7 @@ class ModelRunner:
             decode_lens = lens.to(torch.int32).to(self.device)
             decode_tables = tables.to(torch.int32).to(self.device)
 
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             num_decodes=len(decodes),
             decode_slots=decode_slots,
@@ -208,14 +241,6 @@ class ModelRunner:
             cascade=cascade,
             kv_positions_read=kv_positions_read,
             prefill_sharing=prefill_sharing,
-        )
-        return StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
-            sampling=sampling,
-            prompt_rows=prompt_rows,
         )
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:

@@ -48,6 +48,8 @@ class SchedulerOutput:
     # request id -> the ids of its KV blocks, taken after every allocation of the step
     block_tables: dict[str, list[int]]
     preempted: list[Request] = dataclasses.field(default_factory=list)  # this step, in eviction order
+    # request id -> the rank whose pool holds its KV (the requests KV layout); None: one pool
+    kv_ranks: dict[str, int] | None = None
 
     @property
     def sampling(self) -> list[ScheduledRequest]:
@@ -99,8 +101,12 @@ class Scheduler:
             request = self.running[i]
             n = self._chunk(request, 0, budget)
             while not self.kv_cache.allocate_slots(request, n):
-                # the tail of `running` is the most recently admitted and not yet scheduled
-                victim = self.running.pop()
+                # the tail of `running` is the most recently admitted and not yet scheduled;
+                # with a pool per rank, the latest admitted whose blocks share request's pool
+                j = len(self.running) - 1
+                while j > i and not self.kv_cache.shares_pool(request, self.running[j]):
+                    j -= 1
+                victim = self.running.pop(j)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -135,7 +141,8 @@ class Scheduler:
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
         block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in scheduled}
-        return SchedulerOutput(scheduled, block_tables, preempted)
+        kv_ranks = self.kv_cache.ranks_of([s.request.request_id for s in scheduled])
+        return SchedulerOutput(scheduled, block_tables, preempted, kv_ranks)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampler_output: SamplerOutput | None) -> StepUpdate:
         """Apply what one step did to its requests: every scheduled request's positions are

@@ -16,6 +16,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.paged import paged_attention, write_kv
+from kvserve.distributed.request_layout import RequestExchange, RequestHeads, RequestShardedMetadata, RequestStep
 from kvserve.engine.allocator import release_free_memory
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.arch import ModelArchitecture
@@ -64,32 +65,54 @@ class LlamaAttention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.rope_and_cache(self.qkv(x), rope, meta)
+    def forward(self, x: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata | RequestStep) -> torch.Tensor:
+        qkv = self.qkv(x)
+        if isinstance(meta, RequestStep):
+            # the requests KV layout (distributed/request_layout.py): this rank's heads of every
+            # row go to the rows' ranks; all heads of this rank's own rows come back, attend
+            # over its pool, and return to the ranks whose heads they are
+            ex = meta.exchange
+            full = ex.to_requests(qkv)
+            heads = ex.heads
+            if ex.local_rows:
+                out = self.attend(full, meta.rope, meta.local, heads.num_heads, heads.num_kv_heads)
+            else:
+                out = full.new_empty((0, heads.num_heads * self.head_dim))
+            return self.o(ex.to_heads(out))
+        return self.o(self.attend(qkv, rope, meta, self.num_heads, self.num_kv_heads))
+
+    def attend(
+        self, qkv: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata, num_heads: int, num_kv_heads: int
+    ) -> torch.Tensor:
+        """RoPE, the new K/V into the pool, attention: [T, (N_q + 2·N_kv)·H] → [T, N_q·H]."""
+        tokens = qkv.shape[0]
+        q = self.rope_and_cache(qkv, rope, meta, num_heads, num_kv_heads)
         out = paged_attention(
             q, self.k_pool, self.v_pool, meta, self.scale, self.decode_ops, self.prefill_ops, self.k_scale, self.v_scale
         )
-        return self.o(out.reshape(tokens, self.q_size))
+        return out.reshape(tokens, num_heads * self.head_dim)
 
-    def rope_and_cache(self, qkv: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata) -> torch.Tensor:
+    def rope_and_cache(
+        self, qkv: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata, num_heads: int, num_kv_heads: int
+    ) -> torch.Tensor:
         """RoPE on Q and K; the new K/V written to their slots before anyone attends. Returns Q."""
         if self.rope_ops is not None and self.k_scale is not None:
             return self.rope_ops.rope_and_cache_int8(
                 qkv, rope.positions, rope.cos_half, rope.sin_half, self.k_pool, self.v_pool, self.k_scale, self.v_scale,
-                meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                meta.slot_mapping, num_heads, num_kv_heads, self.head_dim,
             )  # fmt: skip
         if self.rope_ops is not None:
             return self.rope_ops.rope_and_cache(
                 qkv, rope.positions, rope.cos_half, rope.sin_half, self.k_pool, self.v_pool, meta.slot_mapping,
-                self.num_heads, self.num_kv_heads, self.head_dim,
+                num_heads, num_kv_heads, self.head_dim,
             )  # fmt: skip
         tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         cos, sin = rope.cos_sin()
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q.reshape(tokens, num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(tokens, num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(tokens, num_kv_heads, self.head_dim)
         write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v, self.k_scale, self.v_scale)
         return q
 
@@ -170,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
                 lin.process_weights_after_loading()
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
+        # the requests KV layout's head bookkeeping (set by the engine); None: the heads layout
+        self.request_heads: RequestHeads | None = None
         self._decode_model = None  # ops.DecodeModel, built on the first fused step
         self._fused_rows = 0  # set once the weights are processed
 
@@ -265,8 +290,22 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- the forward pass ------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | RequestShardedMetadata
+    ) -> torch.Tensor:
         h = self.embed(input_ids)
+        if isinstance(meta, RequestShardedMetadata):  # the requests KV layout: this rank's rows' attention
+            rank = self.tp.rank
+            first = sum(meta.rows_per_rank[:rank])
+            local_positions = positions[first : first + meta.rows_per_rank[rank]]
+            step = RequestStep(
+                meta.per_rank[rank], RopeInputs(self.rotary, local_positions, h.dtype),
+                RequestExchange(self.tp, self.request_heads, meta.rows_per_rank),
+            )  # fmt: skip
+            residual = None
+            for layer in self.layers:
+                h, residual = layer(h, residual, None, step)
+            return residual.add_(h)
         if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
             # attention in its parts (kernels/cascade_attention.cpp)
