@@ -523,7 +523,8 @@ class LLMEngine:
         return (
             f"tensor parallel rank {sh.rank} of {sh.world}: query heads [{sh.q_heads[0]}, {sh.q_heads[1]}), {kv}, "
             f"FFN [{sh.ffn[0]}, {sh.ffn[1]}), vocabulary [{sh.vocab[0]}, {sh.vocab[1]}); "
-            f"per rank: weights {self.model.weight_bytes():,} bytes, KV {self.layout.kv_bytes_per_position:,} bytes/position, "
+            f"per rank: weights {self.model.stored_weight_bytes():,} bytes ({self.model.weight_bytes():,} held, "
+            f"with the kernels' packed copies), KV {self.layout.kv_bytes_per_position:,} bytes/position, "
             f"{per_request:,} bytes per request of max_model_len\n"
         )
 

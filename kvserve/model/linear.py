@@ -28,6 +28,11 @@ class Linear(nn.Module):
         self.qweight = weight if quantized else None
         self.weight = None if quantized else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # the weight and bias in the format they were loaded in, one copy: what a planner
+        # counts (the method's packed copies come on top, LlamaForCausalLM.weight_bytes)
+        self.stored_bytes = (weight.nbytes if quantized else weight.numel() * weight.element_size()) + (
+            0 if bias is None else bias.numel() * bias.element_size()
+        )
         self.method: LinearMethod = choose_linear_method(
             kernels, self.out_features, self.in_features, silu_mul=silu_mul, argmax=argmax, quantized=quantized
         )

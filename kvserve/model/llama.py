@@ -266,6 +266,18 @@ class LlamaForCausalLM(nn.Module):
         # one count per storage (a tied table is held once); an opaque oneDNN copy has no data pointer
         return sum({(t.data_ptr() if t.layout == torch.strided else id(t)): t.numel() * t.element_size() for t in tensors}.values())
 
+    def stored_weight_bytes(self) -> int:
+        """Bytes of the weights in their loaded format, one copy each (a tied table once):
+        what `kvserve plan run --num-chips N` computes per chip (planner/weight_shares.py).
+        `weight_bytes` adds the copies the kernels packed beside or instead of them."""
+        total = 0
+        for module in self.modules():  # each module once: a tied embedding is the LM head
+            if isinstance(module, Linear):
+                total += module.stored_bytes
+            else:
+                total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        return total
+
     def decode_weight_bytes(self) -> int:
         """Bytes of the weights a decode step reads in full: all but an untied embedding table
         (one row of it is read). A quantized format counts its codes, scales and minima."""

@@ -3,6 +3,10 @@
 Capacity is per chip: W/N + K_alloc,chip(B) ≤ H_mem − R on the busiest chip. Comparing
 the whole machine's memory with the unique logical bytes misses layout replication,
 so both are reported: the ideal N·H_mem − N·R − W of §8 and the per-chip limit.
+
+Where the model's full shape is known, W/N here is the busiest chip's exact share
+(`Placement.weight_bytes_in_memory`, weight_shares.py): memory is a hard limit, so a
+batch said to fit must fit the bytes the chip really holds. Without it, the seed's W/N.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ _ROUNDING_SLACK = 1e-9
 
 
 def free_bytes_per_chip(hbm_bytes: float, reserved_bytes_per_chip: float, placement: Placement) -> float:
-    """H_mem − R − W/N: what is left on a chip for KV."""
-    return hbm_bytes - reserved_bytes_per_chip - placement.weight_bytes_per_chip
+    """H_mem − R − W/N (W_chip, the exact share, where known): what is left on a chip for KV."""
+    return hbm_bytes - reserved_bytes_per_chip - placement.weight_bytes_in_memory
 
 
 def capacity_batch(hbm_bytes: float, reserved_bytes_per_chip: float, placement: Placement) -> int:
@@ -32,7 +36,7 @@ def capacity_batch(hbm_bytes: float, reserved_bytes_per_chip: float, placement: 
 
 
 def fits(hbm_bytes: float, reserved_bytes_per_chip: float, placement: Placement, batch: int) -> bool:
-    used = placement.weight_bytes_per_chip + placement.kv_allocated_bytes_on_busiest_chip(batch)
+    used = placement.weight_bytes_in_memory + placement.kv_allocated_bytes_on_busiest_chip(batch)
     return used <= hbm_bytes - reserved_bytes_per_chip
 
 

@@ -10,7 +10,10 @@ N/N_kv times and adding chips no longer shrinks it.
 nothing is replicated, but new Q and attention outputs are exchanged every step.
 
 Weights are split evenly in both (an approximation the seed flags: duplicated K/V
-projections would add to it).
+projections would add to it). Where the model's full shape is known, `weight_shares.py`
+sums the busiest chip's exact share as the engine splits it (replicated norms, K/V
+projections duplicated past N_kv chips, ⌈V/N⌉ vocabulary rows); the placement carries it
+as `weight_bytes_held_per_chip`, which capacity uses, while the roofline keeps W/N.
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ class Placement:
     # S_shared·c_kv of a prefix every request shares, when a step reads it once for all the
     # requests on a chip (shared-prefix attention); 0: each request reads its whole S·c_kv
     shared_kv_bytes_read_once: float = 0.0
+    # the busiest chip's exact weight bytes as the engine splits them (weight_shares.py); None: unknown
+    weight_bytes_held_per_chip: float | None = None
+
+    @property
+    def weight_bytes_in_memory(self) -> float:
+        """What the weights take on the busiest chip: the exact share where known, else W/N."""
+        return self.weight_bytes_per_chip if self.weight_bytes_held_per_chip is None else self.weight_bytes_held_per_chip
 
     def requests_on_busiest_chip(self, batch: int) -> int:
         """heads: every chip serves every request; requests: ⌈B/N⌉ on the fullest chip."""
@@ -81,7 +91,7 @@ class Placement:
 def place(
     layout: str, num_chips: int, num_params: float, bytes_per_weight: float, num_kv_heads: int,
     kv_bytes_per_request: float, kv_bytes_per_request_allocated: float | None = None,
-    shared_kv_bytes_read_once: float = 0.0,
+    shared_kv_bytes_read_once: float = 0.0, weight_bytes_held_per_chip: float | None = None,
 ) -> Placement:
     if layout == "heads":
         per_chip = kv_heads_per_chip(num_chips, num_kv_heads)
@@ -99,4 +109,5 @@ def place(
         kv_fraction_per_chip=fraction,
         kv_replication_factor=replication,
         shared_kv_bytes_read_once=shared_kv_bytes_read_once,
+        weight_bytes_held_per_chip=weight_bytes_held_per_chip,
     )

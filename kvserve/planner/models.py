@@ -36,6 +36,11 @@ class ModelShape:
     note: str = ""
     # bytes of the stored tensors per parameter (a GGUF's own types; `--quantization auto`); None: a float model
     stored_bytes_per_weight: float | None = None
+    # what completes the shape for the exact per-chip weight split (weight_shares.py): whether the LM
+    # head is the embedding table, and whether Q/K/V carry biases. None: the source does not say
+    # (the seed's round 70e9, a custom or overridden shape), and the planner keeps the seed's W/N
+    tied_embeddings: bool | None = None
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "d_model", "ffn_width", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size"):
@@ -43,6 +48,8 @@ class ModelShape:
         checks.positive("num_params", self.num_params)
         if self.stored_bytes_per_weight is not None:
             checks.positive("stored_bytes_per_weight", self.stored_bytes_per_weight)
+        if self.tied_embeddings is not None and not isinstance(self.tied_embeddings, bool):
+            raise ConfigError("tied_embeddings", f"must be true, false or unknown (None), got {self.tied_embeddings!r}")
         if self.num_query_heads % self.num_kv_heads:
             raise ConfigError(
                 "num_kv_heads",
@@ -55,6 +62,12 @@ class ModelShape:
         """g: Query heads sharing one KV head (GQA group size)."""
         return self.num_query_heads // self.num_kv_heads
 
+    @property
+    def architecture_known(self) -> bool:
+        """Every tensor's shape is known (tied embeddings and QKV bias included), so the
+        per-chip weight split can be summed exactly (weight_shares.py)."""
+        return self.tied_embeddings is not None
+
 
 PRESETS: dict[str, ModelShape] = {
     "seed-70b": ModelShape(
@@ -64,21 +77,23 @@ PRESETS: dict[str, ModelShape] = {
     "seed-8b": ModelShape(
         "seed-8b", 32, 4096, 14336, 32, 8, 128, 128256,
         llama_num_params(32, 4096, 14336, 32, 8, 128, 128256, tied_embeddings=False),
-        note="§3 states only L=32, N_kv=8, H=128; the other fields are LLaMA 3-8B's",
+        note="§3 states only L=32, N_kv=8, H=128; the other fields are LLaMA 3-8B's", tied_embeddings=False,
     ),
     "smollm2-135m": ModelShape(
         "smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152,
         llama_num_params(30, 576, 1536, 9, 3, 64, 49152, tied_embeddings=True),
-        note="SmolLM2-135M (tied embeddings), the engine's default model",
+        note="SmolLM2-135M (tied embeddings), the engine's default model", tied_embeddings=True,
     ),
 }
 
 
 def from_architecture(arch: ModelArchitecture, name: str, num_params: float, note: str = "") -> ModelShape:
-    """The planner's view of an engine `ModelArchitecture`: the same L, D, F, N_q, N_kv, H, V."""
+    """The planner's view of an engine `ModelArchitecture`: the same L, D, F, N_q, N_kv, H, V,
+    tied embeddings and QKV bias (so the exact per-chip weight split is known)."""
     return ModelShape(
         name, arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads,
-        arch.head_dim, arch.vocab_size, num_params, note=note,
+        arch.head_dim, arch.vocab_size, num_params, note=note, tied_embeddings=arch.tie_word_embeddings,
+        attention_bias=arch.attention_bias,
     )
 
 
@@ -148,6 +163,10 @@ def with_overrides(model: ModelShape, **fields) -> ModelShape:
         changes.setdefault("note", f"{model.name} with overrides; P recounted from Llama shapes (untied)")
     if set(changes) & set(_SHAPE_FIELDS):
         changes.setdefault("stored_bytes_per_weight", None)  # the file's bytes no longer describe this shape
+    if set(changes) & {*_SHAPE_FIELDS, "num_params"}:
+        # a hypothetical model: its P is the override's (or an untied recount), not the source's tensors
+        changes.setdefault("tied_embeddings", None)
+        changes.setdefault("attention_bias", False)
     return replace(model, **changes)
 
 

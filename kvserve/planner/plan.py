@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvserve.errors import ConfigError
-from kvserve.planner import capacity, kv, latency, roofline
+from kvserve.planner import capacity, kv, latency, roofline, weight_shares
 from kvserve.planner.inputs import PlanInputs
 from kvserve.planner.layout import Placement, place
 from kvserve.planner.quantity import Quantity
+from kvserve.planner.weight_shares import ShareUnknown, WeightShare
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,15 @@ class Derived:
     """Figures several sections share, computed once per plan."""
 
     inputs: PlanInputs
+    _shares: dict = field(default_factory=dict, repr=False)
+
+    def weight_share(self, num_chips: int | None = None) -> WeightShare | str:
+        """The busiest chip's exact weight share on `num_chips` chips (default N) as the engine
+        splits the model (weight_shares.py), or why it is unknown (then W/N stands in)."""
+        n = num_chips or self.inputs.num_chips
+        if n not in self._shares:
+            self._shares[n] = _weight_share(self.inputs, n)
+        return self._shares[n]
 
     @cached_property
     def kv_bytes_per_position(self) -> float:
@@ -54,10 +64,12 @@ class Derived:
         """`read_once`: whether a step reads the shared prefix once (default: the inputs' choice)."""
         i = self.inputs
         read_once = i.reads_shared_prefix_once if read_once is None else read_once
+        share = self.weight_share(num_chips)
         return place(
             layout or i.kv_layout, num_chips or i.num_chips, i.model.num_params, i.bytes_per_weight,
             i.model.num_kv_heads, self.kv_bytes_per_request, self.kv_bytes_per_request_allocated,
             i.shared_prefix_positions * self.kv_bytes_per_position if read_once else 0.0,
+            share.weight_bytes if isinstance(share, WeightShare) else None,
         )
 
     def exchange_s(self, layout: str) -> float:
@@ -106,6 +118,21 @@ class Derived:
     def prefill_s(self) -> float:
         i = self.inputs
         return latency.prefill_time_s(i.model.num_params, i.prompt_positions, i.num_chips, i.chip.peak_flops_per_s, i.utilisation)
+
+
+def _weight_share(inputs: PlanInputs, num_chips: int) -> WeightShare | str:
+    m = inputs.model
+    if not m.architecture_known:
+        return "the model's full shape is unknown (tied embeddings not stated: a round P, a custom or overridden shape)"
+    try:
+        storage = weight_shares.storage_for(inputs.weight_format, inputs.bytes_per_weight, m.stored_bytes_per_weight)
+        return weight_shares.weight_share(
+            num_layers=m.num_layers, d_model=m.d_model, ffn_width=m.ffn_width, num_query_heads=m.num_query_heads,
+            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
+            tied_embeddings=m.tied_embeddings, attention_bias=m.attention_bias, num_chips=num_chips, storage=storage,
+        )  # fmt: skip
+    except ShareUnknown as exc:
+        return str(exc)
 
 
 @dataclass

@@ -95,9 +95,12 @@ def batch_section(d) -> list[Q]:
     free = capacity.free_bytes_per_chip(H_mem, R, p)
     ideal = ideal_kv_capacity_bytes(N, H_mem, R, d.weight_bytes)
     b_star = critical_batch(C, beta, i.bytes_per_weight)
+    held = p.weight_bytes_held_per_chip is not None
+    w_chip = "W_chip" if held else "W/N"  # what capacity subtracts: the exact share where known
     out = [
         Q("weight_bytes_per_chip", "weights per chip W/N", p.weight_bytes_per_chip, "B", "P·p_w/N",
           f"{num(m.num_params)}·{num(i.bytes_per_weight)}/{N}"),
+        _sharded_weights(d),
     ]
     if i.kv_layout == "heads":
         per_chip = kv_heads_per_chip(N, m.num_kv_heads)
@@ -110,9 +113,10 @@ def batch_section(d) -> list[Q]:
         Q("kv_replication_factor", "KV replication factor ρ", p.kv_replication_factor, "",
           "N·N_kv,chip/N_kv (heads), 1 (requests)", f"layout {i.kv_layout}"),
         Q("kv_bytes_per_request_per_chip", "local KV per request per chip", p.kv_bytes_per_request_per_chip, "B", per_request_formula, share),
-        Q("free_bytes_per_chip", "room for KV per chip", free, "B", "H_mem − R − W/N",
-          f"{num(H_mem)} − {num(R)} − {num(p.weight_bytes_per_chip)}"),
-        Q("capacity_batch", "capacity-limited batch", cap, "requests", "⌊(H_mem − R − W/N) / K_chip⌋ (× N for requests)",
+        Q("free_bytes_per_chip", "room for KV per chip", free, "B", f"H_mem − R − {w_chip}",
+          f"{num(H_mem)} − {num(R)} − {num(p.weight_bytes_in_memory)}",
+          note="W_chip: the busiest chip's exact weight share" if held else ""),
+        Q("capacity_batch", "capacity-limited batch", cap, "requests", f"⌊(H_mem − R − {w_chip}) / K_chip⌋ (× N for requests)",
           f"⌊{num(free)}/{num(p.kv_bytes_per_request_allocated * p.kv_fraction_per_chip)}⌋"
           + ("" if i.kv_layout == "heads" else f"·{N}"), note="busiest chip, KV rounded to whole pages"),
         Q("ideal_kv_capacity_bytes", "ideal KV room, no replication (§8)", ideal, "B", "N·H_mem − N·R − W",
@@ -127,6 +131,35 @@ def batch_section(d) -> list[Q]:
     out += _step_quantities(d, cap)
     out += _layout_comparison(d)
     return out
+
+
+def _sharded_weights(d) -> Q:
+    """The busiest chip's exact weight bytes as the engine splits the model (weight_shares.py):
+    what each rank's start-up report prints, and what capacity uses where it is known."""
+    i, m = d.inputs, d.inputs.model
+    share = d.weight_share()
+    label = "weights on the busiest chip, as the engine splits them"
+    formula = "Σ rank 0's shards: Q/K/V/O by head (K/V whole past N_kv), gate/up/down F/N, ⌈V/N⌉ vocab rows, norms whole"
+    if isinstance(share, str):
+        return Q("weight_bytes_per_chip_sharded", label, None, "B", formula, "",
+                 note=f"n/a: {share}; capacity uses W/N")
+    parts = share.parts
+    terms = f"{m.num_layers}·{num(share.per_layer_bytes)} + {num(parts['embedding'])}"
+    if not m.tied_embeddings:
+        terms += f" + {num(parts['lm_head'])}"
+    terms += f" + {num(parts['final_norm'])}"
+    diff = share.weight_bytes - d.placement().weight_bytes_per_chip
+    extra = []
+    if share.kv_replication > 1:
+        extra.append(f"K/V projections on {share.kv_replication} chips each")
+    if i.num_chips > 1:
+        extra.append("norms on every chip")
+        if m.vocab_size % i.num_chips:
+            extra.append(f"⌈{m.vocab_size}/{i.num_chips}⌉ vocabulary rows")
+    note = (f"{'+' if diff >= 0 else '−'}{num(abs(diff))} B on W/N{': ' + ', '.join(extra) if extra else ''}; "
+            "capacity uses it, the step time W/N")
+    return Q("weight_bytes_per_chip_sharded", label, share.weight_bytes, "B", formula,
+             f"{terms} = {num(share.weight_bytes)} ({share.storage.describe()}, {num(share.params)} parameters)", note=note)
 
 
 def _step_quantities(d, cap: int) -> list[Q]:
@@ -166,8 +199,8 @@ def _step_quantities(d, cap: int) -> list[Q]:
           f"{num(step.total_s)} ≤ {num(target)}"),
         Q("fits_memory", "decode batch fits per-chip memory",
           capacity.fits(i.chip.hbm_bytes, i.reserved_bytes_per_chip, d.placement(), step.batch), "",
-          "W/N + K_chip(B) ≤ H_mem − R",
-          f"{num(d.placement().weight_bytes_per_chip + d.placement().kv_allocated_bytes_on_busiest_chip(step.batch))} ≤ "
+          f"{'W_chip' if d.placement().weight_bytes_held_per_chip is not None else 'W/N'} + K_chip(B) ≤ H_mem − R",
+          f"{num(d.placement().weight_bytes_in_memory + d.placement().kv_allocated_bytes_on_busiest_chip(step.batch))} ≤ "
           f"{num(i.chip.hbm_bytes - i.reserved_bytes_per_chip)}"),
         Q("tokens_per_s", "system throughput", capacity.tokens_per_s(step.batch, step.total_s), "tok/s", "B/t_step",
           f"{step.batch}/{num(step.total_s)}"),
