@@ -116,14 +116,12 @@ class TensorParallelGroup:
     def all_to_all(self, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
         """x (1-D) cut into `in_splits` elements per destination rank, in rank order; returns
         what every rank sent this one, `out_splits` elements per source rank, joined in rank
-        order (the requests layout's Q and attention-output moves). 16-bit floats travel as
-        int16: the same bytes, and every backend moves integers."""
+        order (the requests layout's Q and attention-output moves)."""
         out = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
         if self.world == 1:
             return out.copy_(x)
-        wire = (lambda t: t.view(torch.int16)) if x.element_size() == 2 and x.is_floating_point() else (lambda t: t)
         t0 = time.perf_counter()
-        dist.all_to_all_single(wire(out), wire(x), output_split_sizes=out_splits, input_split_sizes=in_splits)
+        dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits)
         self._timed("all_to_all", t0)
         return out
 
