@@ -73,17 +73,18 @@ class TensorParallelGroup:
     def use_shared_memory(self, max_elements: int, timeout_s: float) -> None:
         """Every rank on this host: AllReduces of up to `max_elements` fp32 elements go through
         a shared segment (shm_allreduce.py) instead of gloo's sockets. Collective: all ranks call it."""
-        from kvserve.distributed.shm_allreduce import ShmAllReduce
+        from kvserve.distributed.shm_allreduce import ShmAllReduce, two_shot_pays
 
         if self.world == 1:
             return
-        path = None
+        setup = None
         if self.is_driver:
             self.shm = ShmAllReduce(None, 0, self.world, max_elements, timeout_s)
-            path = self.shm.path
-        path = self.broadcast_object(path)
+            setup = (self.shm.path, two_shot_pays(self.world))
+        path, two_shot = self.broadcast_object(setup)
         if not self.is_driver:
             self.shm = ShmAllReduce(path, self.rank, self.world, max_elements, timeout_s)
+        self.shm.two_shot = two_shot
         dist.barrier()  # every rank has mapped it: its name can go
         if self.is_driver:
             self.shm.unlink()
@@ -113,15 +114,20 @@ class TensorParallelGroup:
         self._timed("all_gather", t0)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
-    def all_to_all(self, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, in_splits: list[int], out_splits: list[int], largest_send: int) -> torch.Tensor:
         """x (1-D) cut into `in_splits` elements per destination rank, in rank order; returns
         what every rank sent this one, `out_splits` elements per source rank, joined in rank
-        order (the requests layout's Q and attention-output moves)."""
+        order (the requests layout's Q and attention-output moves). `largest_send`: the most
+        elements any rank sends in this collective, so every rank picks the same transport
+        (shared memory where every rank is on this host and it fits, else gloo/NCCL)."""
         out = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
         if self.world == 1:
             return out.copy_(x)
         t0 = time.perf_counter()
-        dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits)
+        if self.shm is not None and x.device.type == "cpu" and self.shm.fits_all_to_all(largest_send, x.element_size()):
+            self.shm.all_to_all(x.contiguous(), in_splits, out, out_splits)
+        else:
+            dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits)
         self._timed("all_to_all", t0)
         return out
 

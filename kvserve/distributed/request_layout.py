@@ -105,7 +105,8 @@ class RequestExchange:
         width = h.send_width(me)
         in_splits = [n * width for n in self.rows]
         out_splits = [self.local_rows * h.send_width(r) for r in range(len(self.rows))]
-        got = self.tp.all_to_all(send.contiguous().view(-1), in_splits, out_splits)
+        largest = max(sum(self.rows) * h.send_width(r) for r in range(len(self.rows)))
+        got = self.tp.all_to_all(send.contiguous().view(-1), in_splits, out_splits, largest)
         parts = [p.view(self.local_rows, h.send_width(r)) for r, p in enumerate(got.split(out_splits))]
         qs = [p[:, : h.q_widths[r]] for r, p in enumerate(parts)]
         ks = [p[:, h.q_widths[r] : h.q_widths[r] + h.kv_widths[r]] for r, p in enumerate(parts) if h.sends_kv[r]]
@@ -122,7 +123,7 @@ class RequestExchange:
         send = torch.cat([out[:, bounds[r] : bounds[r + 1]].reshape(-1) for r in range(len(self.rows))])
         in_splits = [self.local_rows * w for w in h.q_widths]
         out_splits = [n * h.q_widths[me] for n in self.rows]
-        got = self.tp.all_to_all(send, in_splits, out_splits)
+        got = self.tp.all_to_all(send, in_splits, out_splits, max(self.rows) * h.num_heads * h.head_dim)
         return got.view(sum(self.rows), h.q_widths[me])
 
 

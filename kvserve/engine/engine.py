@@ -24,6 +24,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.distributed.launch import launched_by_torchrun, start_local_ranks
 from kvserve.distributed.request_layout import RequestHeads
+from kvserve.distributed.shm_allreduce import TWO_SHOT_MIN_ELEMENTS
 from kvserve.distributed.sharding import plan_shard, shard_weights
 from kvserve.engine.allocator import release_free_memory, tune_malloc
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -131,6 +132,8 @@ class LLMEngine:
                 # dominates); a long prefill chunk's larger ones go to gloo
                 self.tp.use_shared_memory(SHM_ALLREDUCE_ELEMENTS, config.distributed_timeout_s)
             allreduce = "shared memory" if self.tp.shm is not None else self.tp.backend
+            if self.tp.shm is not None and self.tp.shm.two_shot:
+                allreduce += f" (ReduceScatter + AllGather from {TWO_SHOT_MIN_ELEMENTS:,} elements)"
             tp_notes.append(f"tensor parallel: rank {self.tp.rank} of {self.tp.world} ({self.tp.backend}; AllReduce: {allreduce})")
             self._finalizer = weakref.finalize(self, _stop_ranks, self.tp, self._rank_procs, True)
         try:

@@ -28,27 +28,41 @@ class LinkFit:
     samples: list[tuple[int, float]]  # (bytes per rank, best seconds)
 
 
-def _rank(rank: int, port: int, sizes: list[int], repeats: int, out, shared_memory: bool = False) -> None:
+# how the AllReduce runs: gloo's; the engine's shared-memory one as it chooses; or that one
+# forced to one shot (every rank sums every slot) or two (ReduceScatter, then AllGather)
+MODES = ("gloo", "shm", "one-shot", "two-shot")
+
+
+def _rank(rank: int, port: int, sizes: list[int], repeats: int, out, shared_memory: bool = False, world: int = RANKS,
+          mode: str | None = None) -> None:  # fmt: skip
     import torch
     import torch.distributed as dist
 
     from kvserve.distributed.group import TensorParallelGroup
 
+    mode = mode or ("shm" if shared_memory else "gloo")
     torch.set_num_threads(1)
-    group = TensorParallelGroup.join(rank, RANKS, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
-    if shared_memory:  # the engine's same-host path (distributed/shm_allreduce.py)
+    group = TensorParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    if mode != "gloo":  # the engine's same-host path (distributed/shm_allreduce.py)
         group.use_shared_memory(max(sizes), 60.0)
+    if mode in ("one-shot", "two-shot"):
+        two = mode == "two-shot"
+
+        def reduce(x):
+            return group.shm.all_reduce(x, two_shot=two)
+    else:
+        reduce = group.all_reduce
     try:
         times = []
         for n in sizes:
             x = torch.ones(n, dtype=torch.float32)
             for _ in range(3):  # warm the connection and the buffers
-                group.all_reduce(x)
+                reduce(x)
             best = float("inf")
             for _ in range(repeats):
                 dist.barrier()
                 t0 = time.perf_counter()
-                group.all_reduce(x)
+                reduce(x)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
         if rank == 0:
@@ -58,17 +72,19 @@ def _rank(rank: int, port: int, sizes: list[int], repeats: int, out, shared_memo
 
 
 def measure_allreduce(width: int = DEFAULT_WIDTH, rows: tuple[int, ...] = DEFAULT_ROWS, repeats: int = 20,
-                      timeout_s: float = 120.0, shared_memory: bool = False) -> LinkFit:  # fmt: skip
-    """Best-of-`repeats` AllReduce time of fp32 [rows, width] between two local ranks, fitted;
-    gloo's, or with `shared_memory` the engine's same-host AllReduce."""
+                      timeout_s: float = 120.0, shared_memory: bool = False, ranks: int = RANKS,
+                      mode: str | None = None) -> LinkFit:  # fmt: skip
+    """Best-of-`repeats` AllReduce time of fp32 [rows, width] between `ranks` local ranks,
+    fitted; gloo's, or with `shared_memory` the engine's same-host AllReduce (`mode`: one of
+    MODES, overriding `shared_memory`)."""
     from kvserve.distributed.launch import free_port
 
     port = free_port()
     sizes = [r * width for r in rows]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, sizes, repeats, out, shared_memory), daemon=True)
-             for r in range(RANKS)]  # fmt: skip
+    procs = [ctx.Process(target=_rank, args=(r, port, sizes, repeats, out, shared_memory, ranks, mode), daemon=True)
+             for r in range(ranks)]  # fmt: skip
     for p in procs:
         p.start()
     try:
@@ -81,24 +97,32 @@ def measure_allreduce(width: int = DEFAULT_WIDTH, rows: tuple[int, ...] = DEFAUL
     nbytes = [n * 4 for n in sizes]
     # t = α + κ·bytes/bw: a line in bytes, least squares; a non-positive slope means the link
     # is faster than this range can tell, and the largest message bounds it
-    slope, alpha = np.polyfit(np.array(nbytes, dtype=float) * KAPPA, np.array(times), 1)
-    bandwidth = 1 / slope if slope > 0 else KAPPA * nbytes[-1] / max(times[-1], 1e-9)
+    kappa = 2 * (ranks - 1) / ranks
+    slope, alpha = np.polyfit(np.array(nbytes, dtype=float) * kappa, np.array(times), 1)
+    bandwidth = 1 / slope if slope > 0 else kappa * nbytes[-1] / max(times[-1], 1e-9)
     return LinkFit(max(float(alpha), 0.0), float(bandwidth), list(zip(nbytes, times)))
 
 
 def main(argv=None) -> None:
-    """python -m kvserve.planner.collectives: gloo's AllReduce against the shared-memory one,
-    two ranks on this host, alternating, per message size."""
+    """python -m kvserve.planner.collectives: gloo's AllReduce against the shared-memory one
+    (or, with --compare two-shot, the shared-memory one in one shot against ReduceScatter +
+    AllGather), ranks on this host, alternating, per message size."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=RANKS)
+    ap.add_argument("--compare", choices=["gloo", "two-shot"], default="gloo",
+                    help="gloo: gloo against shared memory; two-shot: one shot against ReduceScatter + AllGather")
+    ap.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help=f"rows of [B, {DEFAULT_WIDTH}] fp32, comma-separated")
     args = ap.parse_args(argv)
-    print(f"{'bytes per rank':>15} " + " ".join(f"{name + ' µs':>14}" for name in ("gloo", "shared memory")) + "  ratio")
+    rows = tuple(int(r) for r in args.rows.split(","))
+    a, b = ("gloo", "shm") if args.compare == "gloo" else ("one-shot", "two-shot")
+    print(f"{args.ranks} ranks; {'bytes per rank':>15} " + " ".join(f"{name + ' µs':>14}" for name in (a, b)) + "  ratio")
     for _ in range(args.rounds):
-        gloo, shm = measure_allreduce(), measure_allreduce(shared_memory=True)
-        for (nbytes, g), (_, m) in zip(gloo.samples, shm.samples):
-            print(f"{nbytes:>15,} {g * 1e6:>14.1f} {m * 1e6:>14.1f}  {g / m:5.1f}x")
+        first, second = measure_allreduce(rows=rows, ranks=args.ranks, mode=a), measure_allreduce(rows=rows, ranks=args.ranks, mode=b)
+        for (nbytes, x), (_, y) in zip(first.samples, second.samples):
+            print(f"{nbytes:>15,} {x * 1e6:>14.1f} {y * 1e6:>14.1f}  {x / y:5.2f}x")
 
 
 if __name__ == "__main__":

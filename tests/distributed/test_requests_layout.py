@@ -46,9 +46,10 @@ def test_greedy_tokens_equal_one_process(tiny_model_dirs, variant):
 
 
 def test_requests_spread_over_the_ranks_and_each_rank_caches_its_own_prefixes(tiny_model_dirs):
+    """Over gloo's all-to-all (the other tests go through the shared-memory one)."""
     prompts = [[3 + (i * 11 + j) % 150 for j in range(9)] for i in range(8)]  # no common prefix
     expected, _ = _run(tiny_model_dirs["llama-8x2"], 1, "heads", prompts)
-    got, engine = _run(tiny_model_dirs["llama-8x2"], 2, prompts=prompts)
+    got, engine = _run(tiny_model_dirs["llama-8x2"], 2, prompts=prompts, tensor_parallel_allreduce="gloo")
     assert got == expected
     cached = [m.pool.num_cached_blocks for m in engine.kv_cache.ranks]
     assert all(c > 0 for c in cached), cached  # both ranks held requests, each caching them in its own pool

@@ -1,7 +1,8 @@
 """The same-host shared-memory AllReduce (distributed/shm_allreduce.py): the ranks here are
 threads of one process mapping the same segment, which the protocol does not distinguish
 from processes. Sums in rank order (every rank the same bits), many collectives in a row
-(the double buffering), a rank that never arrives named in the error."""
+(the double buffering), a rank that never arrives named in the error; the all-to-all of
+the requests KV layout on the same segment."""
 
 from __future__ import annotations
 
@@ -63,3 +64,45 @@ def test_a_rank_that_never_arrives_is_named():
         first.all_reduce(torch.ones(4))
     first.close()
     other.close()
+
+
+@pytest.mark.parametrize("world, dtype", [(2, torch.bfloat16), (3, torch.float32), (4, torch.bfloat16)])
+def test_all_to_all_moves_each_part_to_its_rank(world, dtype):
+    """Uneven parts, empty ones included, bf16 and fp32, between AllReduces on the same
+    counter: rank d gets, from each rank s in order, the part s cut for d."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [[(3 * s + 5 * d) % 7 for d in range(world)] for s in range(world)]  # sizes[s][d]: s sends d
+    sends = [torch.randn(sum(sizes[s]), generator=g).to(dtype) for s in range(world)]
+
+    def fn(shm, r):
+        out = torch.empty(sum(sizes[s][r] for s in range(world)), dtype=dtype)
+        shm.all_reduce(torch.ones(8))
+        shm.all_to_all(sends[r], sizes[r], out, [sizes[s][r] for s in range(world)])
+        shm.all_reduce(torch.ones(8))
+        return out
+
+    results = _run(world, fn)
+    for d in range(world):
+        want = torch.cat([sends[s][sum(sizes[s][:d]) : sum(sizes[s][: d + 1])] for s in range(world)])
+        assert torch.equal(results[d], want)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reduce_scatter_all_gather_gives_the_one_shot_bits(world):
+    """The two-shot AllReduce (each rank sums its 1/N in rank order, then all gather) equals
+    the one-shot sum bit for bit, on sizes that do not split evenly, interleaved with one-shot
+    AllReduces on the same counter and buffers."""
+    g = torch.Generator().manual_seed(2)
+    parts = [[torch.randn(n, generator=g) for n in (4096, 1, 4093, 577, 4096)] for _ in range(world)]
+
+    def fn(shm, r):
+        out = []
+        for i, p in enumerate(parts[r]):
+            out.append(shm.all_reduce(p.clone(), two_shot=i % 2 == 0))
+            out.append(shm.all_reduce(p.clone(), two_shot=False))
+        return out
+
+    results = _run(world, fn)
+    for r in range(world):
+        for i in range(0, len(results[r]), 2):
+            assert torch.equal(results[r][i], results[r][i + 1]) and torch.equal(results[r][i], results[0][i])
