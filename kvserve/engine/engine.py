@@ -21,6 +21,7 @@ import torch
 
 from kvserve.attention.cascade import SharedPrefixRule
 from kvserve.config import EngineConfig
+from kvserve.distributed.fingerprint import model_fingerprint
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.distributed.launch import launched_by_torchrun, start_local_ranks
 from kvserve.distributed.request_layout import RequestHeads
@@ -167,6 +168,7 @@ class LLMEngine:
         self.arch = arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
+        self.model_source = loaded.source
         self.loaded_from_cache = loaded.from_cache
         # this rank's share of the model (the whole of it in one process): its layers' heads
         # and FFN columns, the KV heads its pool holds, its rows of the vocabulary
@@ -245,7 +247,7 @@ class LLMEngine:
         with what differed: ranks given different files or flags would compute garbage."""
         c = self.config
         mine = {
-            "model": str(self.model_name), "arch": self.arch, "dtype": str(c.torch_dtype), "kv_dtype": str(self.layout.kv_dtype),
+            "model": str(self.model_name), "model files": model_fingerprint(self.model_source), "arch": self.arch, "dtype": str(c.torch_dtype), "kv_dtype": str(self.layout.kv_dtype),
             "blocks": self.layout.num_blocks, "block_size": c.block_size, "max_model_len": self.max_model_len,
             "prefix_caching": c.enable_prefix_caching, "shared_prefix_attention": c.shared_prefix_attention, "kv_layout": c.kv_layout,
         }  # fmt: skip

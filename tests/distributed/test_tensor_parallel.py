@@ -186,6 +186,29 @@ def test_ranks_started_with_different_flags_refuse_to_start(tiny_model_dirs, tmp
     assert "rank 1 differs from rank 0 in blocks" in log, log[-3000:]
 
 
+def test_ranks_given_different_model_files_refuse_to_start(tiny_model_dirs, tmp_path):
+    """Two hosts' copies of "the same" model that differ in their weights (same name, same
+    shape, one tensor's bytes changed): the fingerprint of the files differs, and every rank
+    refuses with the rank and the files named."""
+    import shutil
+
+    torchrun, model = _torchrun(), tiny_model_dirs["llama-8x2"]
+    copy = tmp_path / "other" / "llama-8x2"
+    shutil.copytree(model, copy)
+    (weights,) = copy.glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(64)  # the last tensor's last values become 0.0: still a loadable file
+    weights.write_bytes(bytes(data))
+    rdzv, http = free_port(), free_port()
+    procs = [_torchrun_serve(torchrun, node, rdzv, http, str(path), tmp_path / f"node{node}.log", "--kv-cache-memory", "2MiB")
+             for node, path in ((0, model), (1, copy))]  # fmt: skip
+    for p in procs:
+        p.wait(timeout=120)
+    assert all(p.returncode != 0 for p in procs)
+    log = (tmp_path / "node0.log").read_text()
+    assert "rank 1 differs from rank 0 in model files" in log, log[-3000:]
+
+
 def test_two_node_torchrun_launch_serves_the_same_tokens(tiny_model_dirs, tmp_path):
     """Two torchrun "nodes" on this machine (one rank each, a static rendezvous on loopback):
     rank 0 serves the OpenAI API, rank 1 follows its steps; the official client gets the
