@@ -519,6 +519,8 @@ class LLMEngine:
         if sh.world == 1:
             return ""
         per_request = self.layout.kv_bytes_per_position * self.max_model_len
+        stored, resident = self.model.stored_weight_bytes(), self.model.weight_bytes()
+        held = "" if resident == stored else f" ({resident:,} held, with the kernels' packed copies)"
         if self.requests_layout:
             kv = (f"KV layout requests: all {self.arch.num_kv_heads} KV heads of the requests placed on this rank "
                   "(none replicated; Q and attention outputs exchanged per layer)")  # fmt: skip
@@ -528,8 +530,7 @@ class LLMEngine:
         return (
             f"tensor parallel rank {sh.rank} of {sh.world}: query heads [{sh.q_heads[0]}, {sh.q_heads[1]}), {kv}, "
             f"FFN [{sh.ffn[0]}, {sh.ffn[1]}), vocabulary [{sh.vocab[0]}, {sh.vocab[1]}); "
-            f"per rank: weights {self.model.stored_weight_bytes():,} bytes ({self.model.weight_bytes():,} held, "
-            f"with the kernels' packed copies), KV {self.layout.kv_bytes_per_position:,} bytes/position, "
+            f"per rank: weights {stored:,} bytes{held}, KV {self.layout.kv_bytes_per_position:,} bytes/position, "
             f"{per_request:,} bytes per request of max_model_len\n"
         )
 
