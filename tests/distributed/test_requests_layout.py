@@ -15,21 +15,10 @@ from kvserve.engine.kv_placement import RequestShardedKVCache
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import ConfigError
-
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 40, 41, 42]]  # the third shares the first's prefix
-
+from tests.support.tensor_parallel import GREEDY, PROMPTS, greedy_tokens
 
 def _run(model, tp, layout="requests", prompts=PROMPTS, **config):
-    config = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "2MiB", "block_size": 4, "cpu_kernels": False,
-              "distributed_timeout_s": 60, **config}  # fmt: skip
-    llm = LLM(model, tensor_parallel_size=tp, kv_layout=layout, **config)
-    try:
-        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # a prefix in the cache
-        outs = llm.generate(prompts, GREEDY)
-        return [o.outputs[0].token_ids for o in outs], llm.engine
-    finally:
-        llm.engine.close()
+    return greedy_tokens(model, tp, prompts, kv_layout=layout, **config)
 
 
 @pytest.mark.parametrize("variant", ["llama-8x2", "llama-12x4"])

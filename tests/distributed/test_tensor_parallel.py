@@ -14,9 +14,9 @@ from kvserve.distributed.launch import free_port
 from kvserve.distributed.sharding import plan_shard
 from kvserve.errors import ConfigError
 from kvserve.model.arch import ModelArchitecture
+from tests.support.tensor_parallel import GREEDY, PROMPTS
+from tests.support.tensor_parallel import greedy_tokens as _tokens
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 40, 41, 42]]  # the third shares the first's prefix
 
 
 def _arch(num_heads, num_kv_heads, ffn=256, vocab=1000) -> ModelArchitecture:
@@ -46,18 +46,6 @@ def test_shard_plan_splits_heads_and_replicates_kv_heads_past_their_count():
 def test_shard_plan_refuses_what_would_cut_a_head(num_heads, num_kv_heads, world, match):
     with pytest.raises(ConfigError, match=match):
         plan_shard(_arch(num_heads, num_kv_heads, ffn=240), 0, world)
-
-
-def _tokens(model, tp, prompts=PROMPTS, **config):
-    config = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "2MiB", "block_size": 4, "cpu_kernels": False,
-              "distributed_timeout_s": 60, **config}  # fmt: skip
-    llm = LLM(model, tensor_parallel_size=tp, **config)
-    try:
-        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # a prefix in the cache
-        outs = llm.generate(prompts, GREEDY)
-        return [o.outputs[0].token_ids for o in outs], llm.engine
-    finally:
-        llm.engine.close()
 
 
 @pytest.mark.parametrize("variant, worlds", [("llama-8x2", (2, 4)), ("llama-12x4", (2, 4))])
