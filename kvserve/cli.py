@@ -1,4 +1,4 @@
-"""The `kvserve` command: serve | chat | generate | bench | plan.
+"""The `kvserve` command: serve | chat | generate | bench | plan | router.
 
 Each subcommand lives in its own module and registers itself through
 `register(subparsers)`; the parser sets `func`, which returns an exit status.
@@ -19,6 +19,7 @@ _SUBCOMMAND_MODULES = (
     "kvserve.server.cli",  # serve
     "kvserve.bench.cli",  # bench latency | throughput | serve
     "kvserve.planner.cli",  # plan …
+    "kvserve.router.cli",  # router
 )
 
 

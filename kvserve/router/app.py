@@ -1,0 +1,221 @@
+"""The router's HTTP front: the OpenAI routes passed through to a replica the policy picks.
+
+The request body goes to the replica unchanged and its answer comes back unchanged (status,
+body, the SSE stream chunk by chunk), so the OpenAI format of answers and errors is the
+replica's own. The router adds only what belongs to it:
+- a replica that cannot be reached, or answers 502/503/504, is marked down and the request
+  is retried on another, as long as nothing has been streamed to the client. A stream is
+  held until its first chunk arrives, so a replica that dies before that is retried too;
+- a stream that breaks after that ends with an OpenAI error event (`data: {"error": …}`);
+- no replica up: 503 with an OpenAI error body;
+- a client that disconnects closes the upstream request, which aborts it on the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvserve.router.policy import Policy
+from kvserve.router.replicas import Replica, health_loop
+
+# answers that mean the instance, not the request, failed: try another
+_INSTANCE_FAILURES = (502, 503, 504)
+_PASSED_HEADERS = ("content-type", "accept")
+
+
+def error_body(message: str, type: str = "server_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+def prompt_text(path: str, payload: dict) -> str:
+    """What the policy matches prefixes on: the prompt's text (token ids as text), or the chat
+    messages' roles and contents in order."""
+    if path.endswith("/chat/completions"):
+        parts = []
+        for m in payload.get("messages") or []:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: their text
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}\x1f{content or ''}\x1e")
+        return "".join(parts)
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch goes to one replica: its first prompt decides
+    if isinstance(prompt, list):
+        return ",".join(map(str, prompt))
+    return prompt if isinstance(prompt, str) else ""
+
+
+class RouterMetrics:
+    def __init__(self, replicas: list[Replica]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvserve_router:requests", "Requests sent to each replica, retries included.",
+                                ["replica"], registry=self.registry)  # fmt: skip
+        self.retries = Counter("kvserve_router:retries", "Requests retried on another replica after an instance failure.",
+                               registry=self.registry)  # fmt: skip
+        self.failed = Counter("kvserve_router:failed_requests", "Requests no replica could serve (answered 503).",
+                              registry=self.registry)  # fmt: skip
+        self.prompt_chars = Counter("kvserve_router:prompt_chars", "Prompt characters routed.", registry=self.registry)
+        self.matched_chars = Counter("kvserve_router:prefix_matched_chars",
+                                     "Prompt characters the chosen replica's prefix index matched (the router's estimate of its cache hits).",
+                                     registry=self.registry)  # fmt: skip
+        up = Gauge("kvserve_router:replica_up", "1 while the replica is up.", ["replica"], registry=self.registry)
+        in_flight = Gauge("kvserve_router:replica_in_flight", "Requests open on the replica.", ["replica"], registry=self.registry)
+        for r in replicas:
+            up.labels(r.url).set_function(lambda r=r: 1.0 if r.up else 0.0)
+            in_flight.labels(r.url).set_function(lambda r=r: r.in_flight)
+
+
+def create_router_app(
+    urls: list[str], policy: Policy, api_key: str | None = None, replica_api_key: str | None = None,
+    health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
+) -> FastAPI:  # fmt: skip
+    replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(urls)]
+    metrics = RouterMetrics(replicas)
+    upstream_auth = {"authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(request_timeout_s, connect=5.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            state["client"] = client
+            checker = asyncio.create_task(health_loop(replicas, client, upstream_auth, health_interval_s))
+            try:
+                yield
+            finally:
+                checker.cancel()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan)
+    app.state.replicas = replicas
+    app.state.policy = policy
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path not in ("/health",):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(error_body("Incorrect API key provided.", "invalid_request_error", "invalid_api_key"), 401)
+        return await call_next(request)
+
+    async def forward(request: Request, path: str) -> Response:
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+            if not isinstance(payload, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            return JSONResponse(error_body(f"the request body is not a JSON object: {exc}", "invalid_request_error"), 400)
+        text = prompt_text(path, payload)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS} | upstream_auth
+        client: httpx.AsyncClient = state["client"]
+        tried: set[str] = set()
+        errors: list[str] = []
+        while True:
+            choice = policy.choose(replicas, text, tried)
+            if choice is None:
+                metrics.failed.inc()
+                why = "; ".join(errors) if errors else "every replica is down"
+                return JSONResponse(error_body(f"no replica could serve the request: {why}", code="no_replica"), 503)
+            replica = choice.replica
+            if tried:
+                metrics.retries.inc()
+            tried.add(replica.url)
+            replica.in_flight += 1
+            replica.requests += 1
+            metrics.requests.labels(replica.url).inc()
+            try:
+                upstream = await client.send(client.build_request("POST", replica.url + path, content=body, headers=headers), stream=True)
+            except httpx.HTTPError as exc:
+                replica.in_flight -= 1
+                replica.mark_down(f"{type(exc).__name__}: {exc}")
+                errors.append(f"{replica.url}: {type(exc).__name__}")
+                continue
+            if upstream.status_code in _INSTANCE_FAILURES:
+                detail = (await upstream.aread())[:300].decode(errors="replace")
+                await upstream.aclose()
+                replica.in_flight -= 1
+                replica.mark_down(f"answered {upstream.status_code}: {detail}")
+                errors.append(f"{replica.url}: {upstream.status_code}")
+                continue
+            chunks = upstream.aiter_raw()
+            try:  # nothing is committed to the client until the first bytes are here
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except httpx.HTTPError as exc:
+                await upstream.aclose()
+                replica.in_flight -= 1
+                replica.mark_down(f"{type(exc).__name__} before the first byte: {exc}")
+                errors.append(f"{replica.url}: {type(exc).__name__}")
+                continue
+            metrics.prompt_chars.inc(len(text))
+            metrics.matched_chars.inc(choice.matched_chars)
+            return _relay(upstream, first, chunks, replica)
+
+    def _relay(upstream: httpx.Response, first: bytes, chunks, replica: Replica) -> Response:
+        media = upstream.headers.get("content-type", "application/json")
+        streaming = media.startswith("text/event-stream")
+
+        async def relay():
+            try:
+                if first:
+                    yield first
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.HTTPError as exc:  # the replica went away mid-answer
+                replica.mark_down(f"{type(exc).__name__} mid-answer: {exc}")
+                if streaming:
+                    err = error_body(f"the replica serving this stream failed: {type(exc).__name__}", code="replica_failed")
+                    yield f"data: {json.dumps(err)}\n\n".encode()
+            finally:
+                replica.in_flight -= 1
+                await upstream.aclose()
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        client: httpx.AsyncClient = state["client"]
+        for replica in replicas:
+            if not replica.up:
+                continue
+            try:
+                r = await client.get(f"{replica.url}/v1/models", headers=upstream_auth, timeout=10.0)
+            except httpx.HTTPError as exc:
+                replica.mark_down(f"{type(exc).__name__}: {exc}")
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return JSONResponse(error_body("no replica is up", code="no_replica"), 503)
+
+    @app.get("/health")
+    async def health():
+        up = any(r.up for r in replicas)
+        return JSONResponse({"status": "ok" if up else "unavailable", "policy": policy.name,
+                             "replicas": [r.describe() for r in replicas]}, 200 if up else 503)  # fmt: skip
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
