@@ -98,6 +98,8 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests at most
     long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step; 0 = none
     enable_prefix_caching: bool = True
+    # record vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) for routers (engine/kv_events.py)
+    enable_kv_cache_events: bool = False
     max_waiting_requests: int = 0  # samples (n counts n) not yet started; 0 = unbounded
     # prompt tokens of requests not yet started; None = derived (AsyncLLMEngine), 0 = unbounded
     max_waiting_tokens: int | None = None

@@ -19,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prompt prefixes"
     )
+    g.add_argument("--enable-kv-cache-events", action="store_true",
+                   help="record vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared); the server serves them at /v1/kv_events")
     g.add_argument("--threads", type=int, default=0, help="torch threads, per rank (0 = torch's default)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of one model over torch.distributed (gloo on CPU): started here on one host, or by torchrun")
@@ -88,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_kv_cache_events=getattr(args, "enable_kv_cache_events", False),
         num_threads=args.threads,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         distributed_timeout_s=getattr(args, "distributed_timeout", 120.0),

@@ -24,8 +24,9 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, events=None):
         self.num_blocks = num_blocks
+        self.events = events  # kv_events.KVEventLog, or None
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # head = least recently freed = next to evict
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -51,14 +52,18 @@ class BlockPool:
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")  # caller checks first
         out = []
+        evicted: list[bytes] = []
         for _ in range(count):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -74,13 +79,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Make the block findable by its hash; False if it already was, or another copy is."""
         if block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return  # another request computed the same block first; this copy stays private
+            return False  # another request computed the same block first; this copy stays private
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (as vLLM's `reset_prefix_cache`); only possible when no
@@ -90,4 +97,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

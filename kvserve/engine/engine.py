@@ -30,6 +30,7 @@ from kvserve.distributed.sharding import plan_shard, shard_weights
 from kvserve.engine.allocator import release_free_memory, tune_malloc
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_events import KVEventLog
 from kvserve.engine.kv_placement import RequestShardedKVCache
 from kvserve.engine.model_runner import ModelRunner, plan_kv_pool
 from kvserve.engine.request import Request, RequestStatus
@@ -216,14 +217,17 @@ class LLMEngine:
         release_free_memory()  # the load's freed transients, before the pools are allocated
         self.model = model.to(config.torch_device)
         self.model.process_weights_after_loading()
+        self.kv_events = KVEventLog() if config.enable_kv_cache_events else None
         if requests_layout:
             self.model.request_heads = RequestHeads.from_shards(
                 [plan_shard(arch, r, world) for r in range(world)], arch.num_heads, arch.num_kv_heads, arch.head_dim
             )
             # rank 0 places each request on a rank's pool; each pool has its own prefix cache
-            self.kv_cache = RequestShardedKVCache(world, layout.num_blocks, config.block_size, config.enable_prefix_caching)
+            self.kv_cache = RequestShardedKVCache(
+                world, layout.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events
+            )
         else:
-            self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
+            self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(config, self.kv_cache)
         rule = SharedPrefixRule(
             min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size), min_group_size=config.shared_prefix_min_group

@@ -12,10 +12,11 @@ from kvserve.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, events=None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.events = events  # kv_events.KVEventLog (--enable-kv-cache-events), or None
+        self.pool = BlockPool(num_blocks, events)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
@@ -82,9 +83,23 @@ class KVCacheManager:
         # K/V of the step before any query reads, so their contents exist when read.
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_hashed_blocks[request.request_id]
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        stored = [i for i in range(start, num_full) if self.pool.cache_block(blocks[i], request.block_hashes[i])]
         self._num_hashed_blocks[request.request_id] = max(start, num_full)
+        if stored and self.events is not None:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks, as vLLM batches them."""
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            parent = hashes[run[0] - 1] if run[0] else None
+            self.events.stored([hashes[i] for i in run], parent, list(tokens[run[0] * bs : (run[-1] + 1) * bs]), bs)
 
     def free(self, request: Request) -> None:
         blocks = self._req_blocks.pop(request.request_id, [])

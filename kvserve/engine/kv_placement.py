@@ -25,10 +25,12 @@ BALANCE_SLACK = 1 / 8
 
 
 class RequestShardedKVCache:
-    def __init__(self, num_ranks: int, num_blocks_per_rank: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_ranks: int, num_blocks_per_rank: int, block_size: int, enable_prefix_caching: bool = True,
+                 events=None):  # fmt: skip
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ranks = [KVCacheManager(num_blocks_per_rank, block_size, enable_prefix_caching) for _ in range(num_ranks)]
+        self.events = events  # one log for all ranks' pools (kv_events.py)
+        self.ranks = [KVCacheManager(num_blocks_per_rank, block_size, enable_prefix_caching, events) for _ in range(num_ranks)]
         self._rank_of: dict[str, int] = {}  # requests holding blocks (or being admitted) -> their rank
         self.prefix_queries = 0  # tokens looked up, over all ranks
         self.prefix_hits = 0  # tokens found

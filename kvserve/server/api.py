@@ -21,7 +21,7 @@ from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.config import ServerConfig
 from kvserve.server.context import ServingContext
-from kvserve.server.errors import error_body, install_error_handlers
+from kvserve.server.errors import APIError, error_body, install_error_handlers
 from kvserve.server.lifecycle import ClientDisconnected
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.middleware import APIKeyAuth, JSONBodiesOnly, MaxBodySize
@@ -98,6 +98,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/kv_events")
+    async def kv_events(since: int = 0) -> JSONResponse:
+        """vLLM's KV cache events from number `since` on (engine/kv_events.py)."""
+        log = ctx.engine.engine.kv_events
+        if log is None:
+            raise APIError(404, "KV cache events are off: start the server with --enable-kv-cache-events", code="kv_events_off")
+        if since < 0:
+            raise APIError(400, f"since must be >= 0, got {since}", param="since")
+        return JSONResponse(log.since(since))
 
     @app.get("/version")
     async def version() -> dict:

@@ -56,7 +56,7 @@ class RouterProcess:
 
 def _replica(model, tmp_path, name, port):
     return ServerProcess(model, tmp_path / f"{name}.log", "--port", str(port), "--kv-cache-memory", "4MiB",
-                         "--max-model-len", "512", "--no-cpu-kernels")  # fmt: skip
+                         "--max-model-len", "512", "--no-cpu-kernels", "--enable-kv-cache-events")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,21 @@ def test_requests_sharing_a_prefix_stay_on_the_replica_that_has_it(deployment):
         before = after
     m = metrics(router.url)
     assert m["kvserve_router:prefix_matched_chars_total"] > 0
+
+
+def test_replicas_publish_their_load_and_kv_cache_events(deployment):
+    """What a router (this one, or an external one) follows: the load gauges in /metrics, and
+    vLLM's BlockStored / BlockRemoved / AllBlocksCleared events at /v1/kv_events."""
+    replica = deployment["replicas"][0]
+    _client(replica.url).completions.create(model=replica.model_name, prompt=SYSTEM_A, max_tokens=2, temperature=0)
+    page = httpx.get(f"{replica.url}/v1/kv_events", params={"since": 0}, timeout=10).json()
+    stored = [e for e in page["events"] if e["type"] == "BlockStored"]
+    assert stored and all(len(e["token_ids"]) == e["block_size"] * len(e["block_hashes"]) for e in stored)
+    assert page["next_seq"] == page["events"][-1]["seq"] + 1 and not page["dropped"]
+    later = httpx.get(f"{replica.url}/v1/kv_events", params={"since": page["next_seq"]}, timeout=10).json()
+    assert later["events"] == [] or later["events"][0]["seq"] >= page["next_seq"]
+    m = metrics(replica.url)
+    assert {"kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc"} <= set(m)
 
 
 def test_errors_keep_the_openai_format(deployment, tmp_path):

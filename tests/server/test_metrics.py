@@ -48,3 +48,9 @@ def test_metrics_move_with_a_request(server, http):
     assert http.post("/v1/completions", json=body).status_code == 200
     again = metrics(server.url)
     assert again["kvserve:prefix_cache_hits_total"] > after["kvserve:prefix_cache_hits_total"]
+
+
+def test_kv_events_are_off_unless_asked_for(http):
+    r = http.get("/v1/kv_events")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "kv_events_off"
+    assert "--enable-kv-cache-events" in r.json()["error"]["message"]
