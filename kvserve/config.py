@@ -66,7 +66,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
-KV_LAYOUTS = ("heads", "requests")  # the planner's --kv-layout names the same two (planner/layout.py)
+KV_LAYOUTS = ("heads", "requests")
+KV_ROLES = ("both", "prefill", "decode")  # the planner's --kv-layout names the same two (planner/layout.py)
 SHARED_PREFIX_ATTENTION = ("auto", "off")
 
 
@@ -114,6 +115,12 @@ class EngineConfig:
     # KV heads for every request; requests = each rank keeps every KV head of its share of the
     # requests (no replication), Q and attention outputs moved by all-to-all every layer
     kv_layout: str = "heads"
+    # prefill/decode disaggregation (disagg/): which halves of a handoff this instance takes
+    # (both: either, per request; prefill: only sends; decode: only receives), what a failed
+    # or late handoff does on the decode side, and how long it may take to arrive
+    kv_role: str = "both"
+    kv_transfer_failure: str = "recompute"
+    kv_transfer_timeout_s: float = 60.0
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
     # weight format: auto = a GGUF's quantized tensors in their own format, float weights in
@@ -157,6 +164,14 @@ class EngineConfig:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_allreduce not in ("auto", "gloo"):
             raise ConfigError("tensor_parallel_allreduce", f"must be auto or gloo, got {self.tensor_parallel_allreduce!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError("kv_role", f"must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_transfer_failure not in ("recompute", "fail"):
+            raise ConfigError("kv_transfer_failure", f"must be recompute or fail, got {self.kv_transfer_failure!r}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ConfigError("kv_transfer_timeout_s", f"must be > 0 seconds, got {self.kv_transfer_timeout_s}")
+        if self.kv_role != "both" and self.tensor_parallel_size > 1:
+            raise ConfigError("kv_role", "prefill/decode roles under tensor parallelism are not supported yet")
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError("kv_layout", f"must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if not self.distributed_timeout_s > 0:

@@ -50,6 +50,10 @@ class RequestOutput:
     # per prompt token from the second on (SamplingParams.prompt_logprobs): the token's
     # logprob and the top-k; on the first and the final output only
     prompt_logprobs: list[dict[int, float]] | None = None
+    # a prefill/decode handoff (disagg/connector.py), on the final output: for a prefill
+    # request what the decode side needs (transfer id, positions, bytes sent), for a decode
+    # request whether its KV arrived; None for an ordinary request
+    kv_transfer_params: dict | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -81,6 +85,7 @@ class RequestOutput:
         self.finished = newer.finished
         self.num_cached_tokens = newer.num_cached_tokens
         self.timings = newer.timings
+        self.kv_transfer_params = newer.kv_transfer_params or self.kv_transfer_params
 
     def take_text_parts(self, text_parts: dict[int, list[str]]) -> None:
         """Join the delta text gathered by `merge` into each sample's `delta_text`."""

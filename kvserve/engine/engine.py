@@ -21,6 +21,8 @@ import torch
 
 from kvserve.attention.cascade import SharedPrefixRule
 from kvserve.config import EngineConfig
+from kvserve.disagg.connector import KVConnector, KVTransferParams
+from kvserve.disagg.transport import SharedMemoryTransport
 from kvserve.distributed.fingerprint import model_fingerprint
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.distributed.launch import launched_by_torchrun, start_local_ranks
@@ -228,6 +230,7 @@ class LLMEngine:
             )
         else:
             self.kv_cache = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
+        self.connector = None  # built with the runner's pools, below
         self.scheduler = Scheduler(config, self.kv_cache)
         rule = SharedPrefixRule(
             min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size), min_group_size=config.shared_prefix_min_group
@@ -236,6 +239,12 @@ class LLMEngine:
             self.model, layout, config.torch_device, config.shared_prefix_attention, rule, self.tp,
             pool_kv_heads=arch.num_kv_heads if requests_layout else None,
         )  # fmt: skip
+        if self.tp is None:  # a handoff moves one process's pools (not yet a tensor-parallel group's)
+            self.connector = KVConnector(
+                SharedMemoryTransport(), self.runner.kv_pool, self.runner.kv_scales, config.block_size,
+                config.kv_transfer_failure, config.kv_transfer_timeout_s,
+            )  # fmt: skip
+            self.scheduler.connector = self.connector
         if self.tp is not None:
             self._check_ranks_agree()
         self.sampler = Sampler(self.kernels.op("argmax_rows"))
@@ -328,11 +337,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        kv_transfer: KVTransferParams | dict | None = None,
     ) -> str:
         params = params or SamplingParams()
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if kv_transfer is not None:
+            kv_transfer, params = self._check_kv_transfer(kv_transfer, params)
         params.check_vocab(self.arch.vocab_size)
         grammar = self.compile_structured(params)  # a cache hit when the server compiled it first
         prompt_ids = self.tokenize_prompt(prompt)
@@ -367,9 +379,29 @@ class LLMEngine:
             if grammar is not None:  # each sample walks the grammar on its own
                 child.structured = grammar.new_matcher()
             self._children[child.request_id] = parent
+            child.kv_transfer = kv_transfer
             self.scheduler.add_request(child)
         self.counters.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def _check_kv_transfer(self, kv_transfer, params: SamplingParams) -> tuple[KVTransferParams, SamplingParams]:
+        """A handoff this instance can take part in; a prefill request stops at its first token."""
+        if not isinstance(kv_transfer, KVTransferParams):
+            kv_transfer = KVTransferParams.from_dict(kv_transfer)
+        if self.connector is None:
+            raise InvalidRequestError("kv_transfer_params: handoffs under tensor parallelism are not supported yet", "kv_transfer_params")
+        role = self.config.kv_role
+        if kv_transfer.do_remote_decode and role == "decode":
+            raise InvalidRequestError("kv_transfer_params: this is a decode instance (--role decode); it does not prefill for others",
+                                      "kv_transfer_params")  # fmt: skip
+        if kv_transfer.do_remote_prefill and role == "prefill":
+            raise InvalidRequestError("kv_transfer_params: this is a prefill instance (--role prefill); it does not receive KV",
+                                      "kv_transfer_params")  # fmt: skip
+        if params.n != 1:
+            raise InvalidRequestError("kv_transfer_params: a handoff carries one sample (n = 1)", "n")
+        if kv_transfer.do_remote_decode:  # the first token, then the decode side goes on
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+        return kv_transfer, params
 
     def compile_structured(self, params: SamplingParams) -> "CompiledGrammar | None":
         """The compiled grammar of a constrained request (LRU-cached), None when unconstrained.
@@ -391,6 +423,9 @@ class LLMEngine:
             return None
         for child in parent.children:
             if not child.is_finished:
+                t = child.kv_transfer
+                if t is not None and t.waiting and self.connector is not None:
+                    self.connector.transport.discard(t.transfer_id)  # a handoff already here goes too
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
                 self.counters.finished["abort"] += 1
         return self._emit(parent)
@@ -406,8 +441,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        for r in plan.arrived:  # first tokens that came with their KV, and handoffs that failed
+            self.counters.generation_tokens += r.num_output_tokens
+            if r.is_finished:
+                self.counters.finished[r.status.value] += 1
         if plan.is_empty:
-            return []
+            # a decode request's first token may have arrived with its KV (or its handoff failed)
+            return [self._emit(p) for p in {self._children[r.request_id].request_id: self._children[r.request_id]
+                                           for r in plan.arrived}.values()]  # fmt: skip
         batch = self.runner.prepare(plan)
         sampling = [s.request for s in batch.sampling]
         if sampling and self.sampler.plain_greedy(sampling):
@@ -420,8 +461,12 @@ class LLMEngine:
         self.scheduler.record_prompt_logprobs(batch.prompt_logprobs)
         self._count(plan, update)
         self._count_kv_reads(batch)
+        if self.connector is not None:  # prefill requests of a handoff: their prompt's KV goes to the decode side
+            for r in update.finished:
+                if r.kv_transfer is not None and r.kv_transfer.do_remote_decode and r.status != RequestStatus.FINISHED_ABORTED:
+                    self.connector.request_finished(r, plan.block_tables[r.request_id])
         # one output per user request that got a token (its n samples together)
-        touched = {p.request_id: p for p in (self._children[r.request_id] for r in update.sampled)}
+        touched = {p.request_id: p for p in (self._children[r.request_id] for r in (*plan.arrived, *update.sampled))}
         return [self._emit(p) for p in touched.values()]
 
     def _count(self, plan: SchedulerOutput, update: StepUpdate) -> None:
@@ -483,7 +528,18 @@ class LLMEngine:
             # complete once the first token is out (the prompt is computed by then); handed
             # over on the first output and the final one, uncopied
             prompt_logprobs=lead.prompt_logprobs if lead.sampling_params.prompt_logprobs is not None and (first or finished) else None,
+            kv_transfer_params=self._handoff_result(lead) if finished and lead.kv_transfer is not None else None,
         )
+
+    def _handoff_result(self, request: Request) -> dict:
+        """What a finished request of a handoff reports: for the prefill side, what the
+        decode side is to be given; for the decode side, how its KV came."""
+        t = request.kv_transfer
+        if t.do_remote_decode:
+            return {"do_remote_prefill": True, "transfer_id": t.transfer_id, "num_positions": request.num_prompt_tokens,
+                    "bytes": t.sent_bytes, "seconds": t.send_seconds, "transport": self.connector.transport.name,
+                    "error": t.error}  # fmt: skip
+        return {"transfer_id": t.transfer_id, "loaded": t.loaded, "recomputed": t.recomputed, "error": t.error}
 
     # ---- introspection -------------------------------------------------------------------
 

@@ -132,6 +132,8 @@ class Request:
         # its place in the grammar of a constrained request (kvserve/structured), one per sample;
         # None when unconstrained. The sampler masks with it; the scheduler advances it.
         self.structured: "GrammarMatcher | None" = None
+        # its part in a prefill/decode handoff (disagg/connector.py KVTransferParams); None: none
+        self.kv_transfer = None
 
     @property
     def num_tokens(self) -> int:

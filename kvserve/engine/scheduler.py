@@ -50,6 +50,13 @@ class SchedulerOutput:
     preempted: list[Request] = dataclasses.field(default_factory=list)  # this step, in eviction order
     # request id -> the rank whose pool holds its KV (the requests KV layout); None: one pool
     kv_ranks: dict[str, int] | None = None
+    # decode requests whose first token arrived with their KV this step (disagg/connector.py),
+    # and those whose handoff failed and ended them: outputs to emit though they ran nothing
+    arrived: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self.scheduled or self.arrived)
 
     @property
     def sampling(self) -> list[ScheduledRequest]:
@@ -71,9 +78,11 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, connector=None):
         self.config = config
         self.kv_cache = kv_cache
+        # disagg/connector.py KVConnector: requests whose KV comes from another instance
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -118,6 +127,7 @@ class Scheduler:
                 continue
             break
 
+        arrived: list[Request] = []
         if not preempted:  # admitting new work while evicting running work would thrash
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -125,7 +135,28 @@ class Scheduler:
                 if not request.is_ready():
                     skipped.append(self.waiting.popleft())
                     continue
+                if request.kv_transfer is not None and self._handoff_pending(request, now, arrived):
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if request.is_finished:  # its first token ended it, or its handoff failed: finish() dequeued it
+                    continue
                 computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+                remote = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
+                if remote:  # the prompt's KV is here: load it, and compute only the next position
+                    if not self.kv_cache.allocate_slots(request, remote + 1, computed_blocks):
+                        break
+                    self.connector.update_state_after_alloc(request, self.kv_cache.block_ids(request.request_id), num_cached)
+                    self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
+                    self.waiting.popleft()
+                    self.running.append(request)
+                    if request.timing.first_scheduled is None:
+                        request.timing.first_scheduled = now
+                        request.num_cached_tokens = num_cached
+                    request.status = RequestStatus.RUNNING
+                    request.num_computed_tokens = num_cached + remote
+                    scheduled.append(ScheduledRequest(request, 1))
+                    budget -= 1
+                    continue
                 n = self._chunk(request, num_cached, budget)
                 if not self.kv_cache.allocate_slots(request, n, computed_blocks):
                     break
@@ -142,7 +173,31 @@ class Scheduler:
             self.waiting.extendleft(reversed(skipped))
         block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in scheduled}
         kv_ranks = self.kv_cache.ranks_of([s.request.request_id for s in scheduled])
-        return SchedulerOutput(scheduled, block_tables, preempted, kv_ranks)
+        return SchedulerOutput(scheduled, block_tables, preempted, kv_ranks, arrived)
+
+    def _handoff_pending(self, request: Request, now: float, arrived: list[Request]) -> bool:
+        """A decode request of a disaggregated pair: whether it still waits for its KV. When
+        the handoff arrives, its first token is taken (which may finish it); when it failed,
+        the connector's policy decides: compute the prompt here, or end the request."""
+        t = request.kv_transfer
+        if not t.do_remote_prefill or t.loaded or t.recomputed or request.output_token_ids:
+            return False
+        if self.connector.request_waits(request):
+            return True
+        if t.error is not None:
+            if self.connector.failure == "recompute":
+                t.recomputed = True  # an ordinary request from here: its prompt is computed here
+                return False
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+            arrived.append(request)
+            return False
+        handoff = t.arrived
+        stop = self._take_token(request, handoff.first_token, handoff.first_logprobs, handoff.first_logprob, now)
+        arrived.append(request)
+        if stop is not None:
+            status, request.stop_reason = stop
+            self.finish(request, status)
+        return False
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampler_output: SamplerOutput | None) -> StepUpdate:
         """Apply what one step did to its requests: every scheduled request's positions are
@@ -161,26 +216,33 @@ class Scheduler:
         for row, s in enumerate(sampling):
             request = s.request
             token = sampler_output.token_ids[row]
-            request.append_output_token(token)
-            if request.timing.first_token is None:
-                request.timing.first_token = now
-            request.timing.token_times.append(now)
-            if sampler_output.logprobs[row] is not None:
-                request.logprobs.append(sampler_output.logprobs[row])
-                request.cumulative_logprob += sampler_output.sampled_logprobs[row]
+            stop = self._take_token(request, token, sampler_output.logprobs[row], sampler_output.sampled_logprobs[row], now)
             sampled.append(request)
-            stop_string = None
-            if request.detokenizer is not None:  # stop strings are searched once min_tokens are out
-                past_min = request.num_output_tokens >= request.sampling_params.min_tokens
-                stop_string = request.detokenizer.add_token(token, check_stop=past_min)
-            stop = check_stop(request, token, stop_string)
-            if request.structured is not None:  # its grammar takes the token, and may end it
-                stop = advance_structured(request, token, stop)
             if stop is not None:
                 status, request.stop_reason = stop
                 self.finish(request, status)
                 finished.append(request)
         return StepUpdate(sampled, finished)
+
+    def _take_token(self, request: Request, token: int, logprobs: dict[int, float] | None, sampled_logprob: float,
+                    now: float) -> tuple[RequestStatus, int | str | None] | None:  # fmt: skip
+        """A new output token: appended with its timing and logprobs, through the
+        detokenizer's stop strings, the stop rule and the request's grammar; whether it stops."""
+        request.append_output_token(token)
+        if request.timing.first_token is None:
+            request.timing.first_token = now
+        request.timing.token_times.append(now)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+            request.cumulative_logprob += sampled_logprob
+        stop_string = None
+        if request.detokenizer is not None:  # stop strings are searched once min_tokens are out
+            past_min = request.num_output_tokens >= request.sampling_params.min_tokens
+            stop_string = request.detokenizer.add_token(token, check_stop=past_min)
+        stop = check_stop(request, token, stop_string)
+        if request.structured is not None:  # its grammar takes the token, and may end it
+            stop = advance_structured(request, token, stop)
+        return stop
 
     def record_prompt_logprobs(self, scored: list[tuple[Request, list[dict[int, float]]]]) -> None:
         """The prompt logprobs a step computed (ModelRunner), in prompt order."""

@@ -1,0 +1,107 @@
+"""How a handoff travels from the prefill instance to the decode instance.
+
+- `SharedMemoryTransport`: instances on one host. The sender writes the handoff into a file
+  under /dev/shm (written under a temporary name, then renamed, so a reader never sees half
+  of one); the receiver polls for it, reads it and removes it. The write is the
+  acknowledgement: once `send` returns, the prefill side may free its blocks.
+- `FaultyTransport`: wraps another and fails or stalls on demand, for the fault tests.
+
+Transfer ids name files, so they are checked: letters, digits, '-' and '_'.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from kvserve.disagg.handoff import KVHandoff
+from kvserve.errors import InvalidRequestError
+
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class KVTransferError(RuntimeError):
+    """A handoff that did not arrive: the transport failed, or it timed out."""
+
+
+def check_transfer_id(transfer_id: str) -> str:
+    if not isinstance(transfer_id, str) or not _TRANSFER_ID.fullmatch(transfer_id):
+        raise InvalidRequestError(f"transfer_id must be 1-128 letters, digits, '-' or '_', got {transfer_id!r}", "kv_transfer_params")
+    return transfer_id
+
+
+class KVTransport:
+    name = "none"
+
+    def send(self, transfer_id: str, handoff: KVHandoff) -> None:
+        raise NotImplementedError
+
+    def poll(self, transfer_id: str) -> KVHandoff | None:
+        """The handoff if it has arrived (taken: a second poll finds nothing), else None;
+        raises KVTransferError if it cannot arrive."""
+        raise NotImplementedError
+
+    def discard(self, transfer_id: str) -> None:
+        """Forget a handoff nobody will take (its request was aborted)."""
+
+
+class SharedMemoryTransport(KVTransport):
+    name = "shm"
+
+    def __init__(self, directory: str | Path | None = None):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.directory = Path(directory or os.path.join(base, "kvserve-kv"))
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, transfer_id: str) -> Path:
+        return self.directory / f"{check_transfer_id(transfer_id)}.kv"
+
+    def send(self, transfer_id: str, handoff: KVHandoff) -> None:
+        path = self._path(transfer_id)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(handoff.to_bytes())
+        os.replace(tmp, path)
+
+    def poll(self, transfer_id: str) -> KVHandoff | None:
+        path = self._path(transfer_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        path.unlink(missing_ok=True)
+        try:
+            return KVHandoff.from_bytes(data)
+        except Exception as exc:  # a corrupt file: the handoff failed
+            raise KVTransferError(f"handoff {transfer_id} is unreadable: {exc}") from exc
+
+    def discard(self, transfer_id: str) -> None:
+        self._path(transfer_id).unlink(missing_ok=True)
+
+
+class FaultyTransport(KVTransport):
+    """`fail_send` / `fail_receive`: raise KVTransferError; `stall_s`: a handoff becomes
+    visible to `poll` only this long after it was sent (a slow or hung link)."""
+
+    def __init__(self, inner: KVTransport, fail_send: bool = False, fail_receive: bool = False, stall_s: float = 0.0):
+        self.inner, self.fail_send, self.fail_receive, self.stall_s = inner, fail_send, fail_receive, stall_s
+        self.name = f"faulty({inner.name})"
+        self._first_poll: dict[str, float] = {}
+
+    def send(self, transfer_id: str, handoff: KVHandoff) -> None:
+        if self.fail_send:
+            raise KVTransferError(f"handoff {transfer_id}: the test transport failed the send")
+        self.inner.send(transfer_id, handoff)
+
+    def poll(self, transfer_id: str) -> KVHandoff | None:
+        if self.fail_receive:
+            raise KVTransferError(f"handoff {transfer_id}: the test transport failed the receive")
+        first = self._first_poll.setdefault(transfer_id, time.monotonic())
+        if time.monotonic() - first < self.stall_s:
+            return None
+        return self.inner.poll(transfer_id)
+
+    def discard(self, transfer_id: str) -> None:
+        self.inner.discard(transfer_id)

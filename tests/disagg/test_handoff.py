@@ -1,0 +1,137 @@
+"""Prefill/decode handoff between two engines (disagg/): the prefill engine runs the prompt
+to its first token and sends the prompt's KV through the shared-memory transport; the decode
+engine loads it and goes on. fp32 greedy tokens equal one colocated engine's; failures
+recompute or fail as configured, and no block leaks on either side."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.disagg.transport import FaultyTransport
+
+PROMPTS = [list(range(10, 31)), [5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(40, 47))]
+_ids = itertools.count()
+
+
+def _engine(model, role, **kw):
+    return LLM(model, dtype="float32", cpu_kernels=False, block_size=4, kv_cache_memory="1MiB", kv_role=role, **kw).engine
+
+
+def _run(engine, requests, timeout_s=60):
+    """Add (request id, prompt, params, kv_transfer) and step until all finish; final outputs by id."""
+    for rid, prompt, params, transfer in requests:
+        engine.add_request(rid, prompt, params, kv_transfer=transfer)
+    done, deadline = {}, time.monotonic() + timeout_s
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish"
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _disaggregated(prefill, decode, prompts, params):
+    tids = [f"test-{next(_ids)}" for _ in prompts]
+    first = _run(prefill, [(f"p{i}", p, params, {"do_remote_decode": True, "transfer_id": t})
+                           for i, (p, t) in enumerate(zip(prompts, tids))])  # fmt: skip
+    rest = _run(decode, [(f"d{i}", p, params, {"do_remote_prefill": True, "transfer_id": t})
+                         for i, (p, t) in enumerate(zip(prompts, tids))])  # fmt: skip
+    return [first[f"p{i}"] for i in range(len(prompts))], [rest[f"d{i}"] for i in range(len(prompts))]
+
+
+def _idle(engine):
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks() == engine.kv_cache.num_blocks  # nothing held
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_tokens_equal_one_colocated_engine(tiny_llama, logprobs):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs)
+    want = _run(_engine(tiny_llama, "both"), [(str(i), p, params, None) for i, p in enumerate(PROMPTS)])
+    prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode")
+    first, rest = _disaggregated(prefill, decode, PROMPTS, params)
+    for i in range(len(PROMPTS)):
+        w = want[str(i)].outputs[0]
+        assert first[i].outputs[0].token_ids == w.token_ids[:1]  # the prefill side stops at its first token
+        assert first[i].kv_transfer_params["num_positions"] == len(PROMPTS[i]) and first[i].kv_transfer_params["bytes"] > 0
+        got = rest[i].outputs[0]
+        assert got.token_ids == w.token_ids and got.text == w.text
+        assert rest[i].kv_transfer_params["loaded"] and rest[i].kv_transfer_params["error"] is None
+        if logprobs:
+            assert [list(d) for d in got.logprobs] == [list(d) for d in w.logprobs]
+            assert got.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+    assert prefill.connector.sent == decode.connector.received == len(PROMPTS)
+    _idle(decode)
+    assert prefill.kv_cache.num_free_blocks() == prefill.kv_cache.num_blocks  # freed, its prompts kept as prefix cache
+
+
+def test_a_decode_side_prefix_hit_is_kept_and_only_the_rest_loaded(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode")
+    _run(decode, [("warm", PROMPTS[0][:12] + [99], params, None)])  # 3 blocks of its prompt cached here
+    _, rest = _disaggregated(prefill, decode, [PROMPTS[0]], params)
+    assert rest[0].num_cached_tokens == 12
+    want = _run(_engine(tiny_llama, "both"), [("x", PROMPTS[0], params, None)])["x"]
+    assert rest[0].outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_a_stop_on_the_first_token_ends_the_decode_request_at_once(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=1)
+    prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode")
+    first, rest = _disaggregated(prefill, decode, [PROMPTS[1]], params)
+    assert rest[0].outputs[0].token_ids == first[0].outputs[0].token_ids and rest[0].outputs[0].finish_reason == "length"
+    _idle(decode)
+
+
+@pytest.mark.parametrize("failure", ["recompute", "fail"])
+def test_a_failed_handoff_recomputes_or_fails_as_configured(tiny_llama, failure):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = _run(_engine(tiny_llama, "both"), [("x", PROMPTS[0], params, None)])["x"].outputs[0].token_ids
+    prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode", kv_transfer_failure=failure)
+    decode.connector.transport = FaultyTransport(decode.connector.transport, fail_receive=True)
+    _, rest = _disaggregated(prefill, decode, [PROMPTS[0]], params)
+    out = rest[0]
+    assert "failed the receive" in out.kv_transfer_params["error"] and not out.kv_transfer_params["loaded"]
+    if failure == "recompute":
+        assert out.outputs[0].token_ids == want and out.kv_transfer_params["recomputed"]
+    else:
+        assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    _idle(decode)
+    prefill.connector.transport.discard(out.kv_transfer_params["transfer_id"])
+
+
+def test_a_handoff_that_never_comes_times_out_without_holding_blocks(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    decode = _engine(tiny_llama, "decode", kv_transfer_failure="fail", kv_transfer_timeout_s=0.5)
+    decode.add_request("lost", PROMPTS[0], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "never-sent"})
+    done = _run(decode, [("other", PROMPTS[1], params, None)])
+    assert done["other"].outputs[0].num_tokens == 4
+    assert done["other"].timings[0].finished < done["lost"].timings[0].finished  # others ran while it waited
+    assert "did not arrive within 0.5 s" in done["lost"].kv_transfer_params["error"]
+    assert done["lost"].outputs[0].finish_reason == "abort"
+    _idle(decode)
+
+
+def test_a_stalled_transport_delays_but_delivers(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode")
+    decode.connector.transport = FaultyTransport(decode.connector.transport, stall_s=0.3)
+    start = time.monotonic()
+    _, rest = _disaggregated(prefill, decode, [PROMPTS[2]], params)
+    assert time.monotonic() - start >= 0.3 and rest[0].kv_transfer_params["loaded"]
+
+
+def test_roles_refuse_the_other_half(tiny_llama):
+    from kvserve.errors import InvalidRequestError
+
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="decode instance"):
+        _engine(tiny_llama, "decode").add_request("a", [1, 2, 3], params, kv_transfer={"do_remote_decode": True, "transfer_id": "x"})
+    with pytest.raises(InvalidRequestError, match="prefill instance"):
+        _engine(tiny_llama, "prefill").add_request("a", [1, 2, 3], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "x"})
+    with pytest.raises(InvalidRequestError, match="transfer_id"):
+        _engine(tiny_llama, "both").add_request("a", [1, 2, 3], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "../x"})
