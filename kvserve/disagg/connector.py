@@ -121,7 +121,10 @@ class KVConnector:
         t = request.kv_transfer
         if t is None or t.arrived is None or t.loaded:
             return 0
-        return max(0, t.arrived.num_positions - num_computed)
+        remote = max(0, t.arrived.num_positions - num_computed)
+        if remote == 0:  # this instance's prefix cache holds the whole prompt: nothing to load
+            t.loaded, t.arrived = True, None
+        return remote
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_computed: int) -> None:
         """Blocks are allocated: load positions [num_computed, P) into them (every layer)."""

@@ -267,6 +267,7 @@ class AsyncLLMEngine:
         request_id: str,
         prompt_text: str | None = None,
         cache_salt: str | None = None,
+        kv_transfer: dict | None = None,
     ) -> "RequestStream":
         """Submit one request and return its output stream. Raises at once (before any
         output) when the server is shutting down or the waiting queue is full."""
@@ -278,7 +279,8 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
             self._waiting_samples += stream.waiting_samples
             self._waiting_tokens += stream.waiting_tokens
-            self._commands.append(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prompt_text))
+            self._commands.append(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prompt_text,
+                                   kv_transfer))  # fmt: skip
         self._wake.set()
         return RequestStream(self, request_id, stream)
 
@@ -343,9 +345,9 @@ class AsyncLLMEngine:
             command = self._commands.popleft()
             kind = command[0]
             if kind == "add":
-                _, request_id, ids, params, arrival, salt, text = command
+                _, request_id, ids, params, arrival, salt, text, kv_transfer = command
                 try:
-                    self.engine.add_request(request_id, ids, params, arrival_time=arrival, cache_salt=salt)
+                    self.engine.add_request(request_id, ids, params, arrival_time=arrival, cache_salt=salt, kv_transfer=kv_transfer)
                     if text is not None:
                         self.engine.set_prompt_text(request_id, text)
                 except KVServeError as exc:  # this request's own fault; the engine is untouched

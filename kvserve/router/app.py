@@ -17,11 +17,13 @@ import asyncio
 import contextlib
 import hmac
 import json
+import time
+import uuid
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.router.policy import Policy
@@ -70,18 +72,56 @@ class RouterMetrics:
         self.matched_chars = Counter("kvserve_router:prefix_matched_chars",
                                      "Prompt characters the chosen replica's prefix index matched (the router's estimate of its cache hits).",
                                      registry=self.registry)  # fmt: skip
-        up = Gauge("kvserve_router:replica_up", "1 while the replica is up.", ["replica"], registry=self.registry)
-        in_flight = Gauge("kvserve_router:replica_in_flight", "Requests open on the replica.", ["replica"], registry=self.registry)
+        # prefill/decode handoffs: the prefill side's report, and the decode side's first bytes
+        self.handoff_bytes = Histogram("kvserve_router:kv_handoff_bytes", "KV bytes a prefill instance handed over, per request.",
+                                       buckets=[2**k for k in range(10, 34, 2)], registry=self.registry)  # fmt: skip
+        self.handoff_seconds = Histogram("kvserve_router:kv_handoff_seconds", "Seconds the prefill instance took to send a request's KV.",
+                                         buckets=[1e-4 * 2**k for k in range(18)], registry=self.registry)  # fmt: skip
+        self.decode_first_byte_seconds = Histogram(
+            "kvserve_router:first_to_second_token_seconds",
+            "From the prefill instance's answer (the first token) to the decode instance's first bytes: the handoff's arrival "
+            "and its first step, the gap between a handed-over request's first and second tokens.",
+            buckets=[1e-3 * 2**k for k in range(14)], registry=self.registry,
+        )  # fmt: skip
+        labels = ["replica", "pool"]
+        up = Gauge("kvserve_router:replica_up", "1 while the replica is up.", labels, registry=self.registry)
+        in_flight = Gauge("kvserve_router:replica_in_flight", "Requests open on the replica.", labels, registry=self.registry)
+        running = Gauge("kvserve_router:replica_running", "Requests running, as the replica last published.", labels, registry=self.registry)
+        waiting = Gauge("kvserve_router:replica_waiting", "Requests waiting, as the replica last published.", labels, registry=self.registry)
         for r in replicas:
-            up.labels(r.url).set_function(lambda r=r: 1.0 if r.up else 0.0)
-            in_flight.labels(r.url).set_function(lambda r=r: r.in_flight)
+            up.labels(r.url, r.pool).set_function(lambda r=r: 1.0 if r.up else 0.0)
+            in_flight.labels(r.url, r.pool).set_function(lambda r=r: r.in_flight)
+            running.labels(r.url, r.pool).set_function(lambda r=r: r.running)
+            waiting.labels(r.url, r.pool).set_function(lambda r=r: r.waiting)
+
+
+def handoff_eligible(path: str, payload: dict) -> bool:
+    """Whether a request can go prefill-then-decode: one sample of one prompt, and nothing
+    that needs the prompt's logits on the decode side (prompt logprobs, echo with logprobs)."""
+    if (payload.get("n") or 1) != 1 or payload.get("prompt_logprobs") is not None:
+        return False
+    if path.endswith("/completions") and not path.endswith("/chat/completions"):
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return False  # a batch of prompts
+        if payload.get("echo") and payload.get("logprobs") is not None:
+            return False
+    return True
 
 
 def create_router_app(
     urls: list[str], policy: Policy, api_key: str | None = None, replica_api_key: str | None = None,
     health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
+    prefill_urls: list[str] = (), decode_urls: list[str] = (),
 ) -> FastAPI:  # fmt: skip
     replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(urls)]
+    n = len(replicas)
+    prefills = [Replica(url.rstrip("/"), n + i, pool="prefill") for i, url in enumerate(prefill_urls)]
+    decodes = [Replica(url.rstrip("/"), n + len(prefills) + i, pool="decode") for i, url in enumerate(decode_urls)]
+    # plain requests go to the replicas; without any, to the decode pool (which computes prompts too)
+    plain = replicas or decodes
+    disaggregated = bool(prefills and decodes)
+    replicas = replicas + prefills + decodes
     metrics = RouterMetrics(replicas)
     upstream_auth = {"authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
     state: dict = {}
@@ -120,11 +160,73 @@ def create_router_app(
             return JSONResponse(error_body(f"the request body is not a JSON object: {exc}", "invalid_request_error"), 400)
         text = prompt_text(path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS} | upstream_auth
+        if disaggregated and handoff_eligible(path, payload):
+            return await _prefill_then_decode(path, payload, text, headers)
+        return await _serve_from(plain, path, body, text, headers)
+
+    async def _prefill_then_decode(path: str, payload: dict, text: str, headers: dict) -> Response:
+        """The prompt to its first token on a prefill instance, which hands the KV over; then
+        the request on a decode instance, whose answer (the first token on) is the client's."""
+        transfer_id = uuid.uuid4().hex
+        first = dict(payload, stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+        first.pop("stream_options", None)
+        if "max_completion_tokens" in first:
+            first["max_completion_tokens"] = 1
+        answer = await _answer_from(prefills, path, json.dumps(first).encode(), text, headers)
+        if isinstance(answer, Response) and answer.status_code == 503:
+            # no prefill instance could serve: a decode instance computes the prompt itself
+            return await _serve_from(decodes, path, json.dumps(payload).encode(), text, headers)
+        if isinstance(answer, Response):  # the request's own error
+            return answer
+        handoff = answer.get("kv_transfer_params") or {}
+        metrics.handoff_bytes.observe(handoff.get("bytes") or 0)
+        metrics.handoff_seconds.observe(handoff.get("seconds") or 0.0)
+        rest = dict(payload, kv_transfer_params={"do_remote_prefill": True, "transfer_id": transfer_id})
+        sent = time.monotonic()
+        return await _serve_from(decodes, path, json.dumps(rest).encode(), text, headers,
+                                 on_first_byte=lambda: metrics.decode_first_byte_seconds.observe(time.monotonic() - sent))  # fmt: skip
+
+    async def _answer_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict) -> dict | Response:
+        """A whole (non-streamed) answer from some replica of `pool`, retried past failed
+        instances: its JSON on 200, else the Response to give the client."""
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
         errors: list[str] = []
         while True:
-            choice = policy.choose(replicas, text, tried)
+            choice = policy.choose(pool, text, tried)
+            if choice is None:
+                metrics.failed.inc()
+                why = "; ".join(errors) if errors else f"every {pool[0].pool} instance is down"
+                return JSONResponse(error_body(f"no {pool[0].pool} instance could serve the request: {why}", code="no_replica"), 503)
+            replica = choice.replica
+            if tried:
+                metrics.retries.inc()
+            tried.add(replica.url)
+            replica.in_flight += 1
+            replica.requests += 1
+            metrics.requests.labels(replica.url).inc()
+            try:
+                r = await client.post(replica.url + path, content=body, headers=headers)
+            except httpx.HTTPError as exc:
+                replica.mark_down(f"{type(exc).__name__}: {exc}")
+                errors.append(f"{replica.url}: {type(exc).__name__}")
+                continue
+            finally:
+                replica.in_flight -= 1
+            if r.status_code in _INSTANCE_FAILURES and "kv_transfer_failed" not in r.text:
+                replica.mark_down(f"answered {r.status_code}: {r.text[:300]}")
+                errors.append(f"{replica.url}: {r.status_code}")
+                continue
+            if r.status_code != 200:
+                return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            return r.json()
+
+    async def _serve_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict, on_first_byte=None) -> Response:
+        client: httpx.AsyncClient = state["client"]
+        tried: set[str] = set()
+        errors: list[str] = []
+        while True:
+            choice = policy.choose(pool, text, tried)
             if choice is None:
                 metrics.failed.inc()
                 why = "; ".join(errors) if errors else "every replica is down"
@@ -147,6 +249,8 @@ def create_router_app(
                 detail = (await upstream.aread())[:300].decode(errors="replace")
                 await upstream.aclose()
                 replica.in_flight -= 1
+                if "kv_transfer_failed" in detail:  # the request's handoff failed, not the instance: say so
+                    return Response(detail.encode(), status_code=upstream.status_code, media_type="application/json")
                 replica.mark_down(f"answered {upstream.status_code}: {detail}")
                 errors.append(f"{replica.url}: {upstream.status_code}")
                 continue
@@ -161,6 +265,8 @@ def create_router_app(
                 replica.mark_down(f"{type(exc).__name__} before the first byte: {exc}")
                 errors.append(f"{replica.url}: {type(exc).__name__}")
                 continue
+            if on_first_byte is not None:
+                on_first_byte()
             metrics.prompt_chars.inc(len(text))
             metrics.matched_chars.inc(choice.matched_chars)
             return _relay(upstream, first, chunks, replica)
@@ -210,7 +316,8 @@ def create_router_app(
 
     @app.get("/health")
     async def health():
-        up = any(r.up for r in replicas)
+        serving = {r.pool for r in replicas if r.up}
+        up = ("prefill" in serving and "decode" in serving) or any(r.up for r in plain)
         return JSONResponse({"status": "ok" if up else "unavailable", "policy": policy.name,
                              "replicas": [r.describe() for r in replicas]}, 200 if up else 503)  # fmt: skip
 

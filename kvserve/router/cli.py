@@ -19,7 +19,11 @@ def register(subparsers) -> None:
         description="Route OpenAI API requests to kvserve replicas: requests sharing a prompt prefix go to the replica "
                     "that has it cached, within a load bound; a dead replica is marked down and its requests retried.",
     )  # fmt: skip
-    p.add_argument("--replica", nargs="+", required=True, metavar="URL", help="base URLs of the replicas (http://host:port)")
+    p.add_argument("--replica", nargs="+", default=[], metavar="URL", help="base URLs of colocated replicas (http://host:port)")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                   help="prefill instances (kvserve serve --role prefill): each request's prompt runs there to its first token")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                   help="decode instances (kvserve serve --role decode): they receive the KV and answer the client")
     p.add_argument("--policy", choices=["prefix", "round-robin", "least-loaded"], default="prefix",
                    help="prefix (default): the replica with the prompt's prefix cached, within the load bound")  # fmt: skip
     p.add_argument("--balance-abs", type=int, default=8, help="load bound: in-flight requests beyond the least loaded replica's (default 8) ...")
@@ -37,11 +41,16 @@ def register(subparsers) -> None:
 
 
 def _check(args) -> None:
-    for url in args.replica:
+    if not args.replica and not (args.prefill and args.decode):
+        raise ConfigError("replica", "give --replica URL…, or both --prefill URL… and --decode URL…")
+    if bool(args.prefill) != bool(args.decode):
+        raise ConfigError("prefill", "--prefill and --decode go together: a prefill instance hands its KV to a decode instance")
+    urls = args.replica + args.prefill + args.decode
+    for url in urls:
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ConfigError("replica", f"{url!r} is not an http(s)://host:port URL")
-    if len(set(u.rstrip("/") for u in args.replica)) != len(args.replica):
+    if len(set(u.rstrip("/") for u in urls)) != len(urls):
         raise ConfigError("replica", "the same URL is given twice")
     if args.balance_abs < 0 or args.balance_rel < 1:
         raise ConfigError("balance", "--balance-abs must be >= 0 and --balance-rel >= 1")
@@ -62,15 +71,18 @@ def run(args) -> int:
     _check(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     policy = Policy(args.policy, args.balance_abs, args.balance_rel, args.cache_threshold)
-    app = create_router_app(args.replica, policy, api_key, args.replica_api_key, args.health_interval, args.request_timeout)
+    app = create_router_app(args.replica, policy, api_key, args.replica_api_key, args.health_interval, args.request_timeout,
+                            args.prefill, args.decode)  # fmt: skip
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"kvserve: router ({args.policy}) at http://{host}:{port}/v1 over {len(args.replica)} replica(s): "
-                      f"{', '.join(args.replica)}; also /health /metrics", file=sys.stderr, flush=True)  # fmt: skip
+                pools = [f"{name} {', '.join(urls)}" for name, urls in
+                         (("replicas", args.replica), ("prefill", args.prefill), ("decode", args.decode)) if urls]  # fmt: skip
+                print(f"kvserve: router ({args.policy}) at http://{host}:{port}/v1 over {'; '.join(pools)}; also /health /metrics",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0

@@ -33,6 +33,7 @@ _LOAD_METRICS = {
 class Replica:
     url: str
     index: int
+    pool: str = "replica"  # replica (colocated), prefill or decode
     up: bool = True  # assumed until a request or the health check says otherwise
     in_flight: int = 0  # requests the router has open on it
     running: float = 0.0  # as last published
@@ -65,7 +66,7 @@ class Replica:
         self.down_since = None
 
     def describe(self) -> dict:
-        return {"url": self.url, "up": self.up, "in_flight": self.in_flight, "running": self.running,
+        return {"url": self.url, "pool": self.pool, "up": self.up, "in_flight": self.in_flight, "running": self.running,
                 "waiting": self.waiting, "kv_cache_usage_perc": self.kv_usage, "requests": self.requests,
                 "failures": self.failures, "last_error": self.last_error or None}  # fmt: skip
 

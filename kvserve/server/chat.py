@@ -20,7 +20,7 @@ from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server.context import ServingContext
-from kvserve.server.errors import sse_error, unsupported
+from kvserve.server.errors import check_handoff, sse_error, unsupported
 from kvserve.server.lifecycle import (
     SSE_DONE,
     SSEResponse,
@@ -66,20 +66,24 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     ctx.engine.check_admission(params.n)
     text, ids = await asyncio.to_thread(_render_prompt, ctx.engine.tokenizer, request, tools, template_kwargs)
     request_id, stream = await ctx.start(
-        ids, params, "chatcmpl", prompt_text=text, cache_salt=request.cache_salt, prompt_field="messages", max_tokens_field=max_tokens_field
-    )
+        ids, params, "chatcmpl", prompt_text=text, cache_salt=request.cache_salt, prompt_field="messages",
+        max_tokens_field=max_tokens_field, kv_transfer=request.kv_transfer_params,
+    )  # fmt: skip
     created = int(time.time())
     try:
         if request.stream:
             first = await unless_disconnected(anext(stream), raw)
+            check_handoff(first)
             return SSEResponse(_events(ctx, request, num_top, tools, request_id, created, first, stream), on_close=stream.close)
         final = await unless_disconnected(last_output(stream), raw)
+        check_handoff(final)
     except BaseException:
         stream.close()
         raise
     ctx.metrics.observe_finished(final)
     choices = [_choice(ctx, num_top, tools, c) for c in final.outputs]
-    body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage_of(final))
+    body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage_of(final),
+                                  kv_transfer_params=final.kv_transfer_params)  # fmt: skip
     return JSONResponse(body.model_dump(mode="json"))
 
 

@@ -52,6 +52,17 @@ def register(subparsers) -> None:
         help="if the engine fails, build a fresh one in this process (the model reloaded) instead of exiting 1; "
         "a second failure within 60s of a restart still exits 1",
     )
+    d = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    d.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="both (default): colocated, and either half of a handoff per request; prefill: only prefills and "
+                        "sends the KV; decode: receives the KV and decodes (and computes prompts sent to it plainly)")
+    d.add_argument("--kv-transfer-failure", choices=["recompute", "fail"], default="recompute",
+                   help="a decode request whose KV handoff fails or times out: recompute the prompt here (default), or "
+                        "fail the request with a 502")
+    d.add_argument("--kv-transfer-timeout", type=float, default=60.0, help="seconds a decode request waits for its KV (default 60)")
+    d.add_argument("--disaggregation", default=None, metavar="xPyD",
+                   help="start x prefill and y decode servers on this host (free ports) and a router in front of them on "
+                        "--host/--port, e.g. 1P1D; the engine flags go to every server")
     s = p.add_argument_group("sampling defaults (for fields a request leaves unset; the request's own values always win)")
     s.add_argument(
         "--generation-config",
@@ -82,9 +93,14 @@ def _serve(args: argparse.Namespace) -> int:
         generation_config=args.generation_config,
         sampling_overrides={flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in _SAMPLING_FLAGS},
     )
+    if args.disaggregation:
+        from kvserve.disagg.launch import run_disaggregated
+
+        return run_disaggregated(args)
     engine_config = engine_config_from_args(
-        args, max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens
-    )
+        args, max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
+        kv_role=args.role, kv_transfer_failure=args.kv_transfer_failure, kv_transfer_timeout_s=args.kv_transfer_timeout,
+    )  # fmt: skip
     from kvserve.distributed.launch import launched_by_torchrun, run_worker
 
     if launched_by_torchrun() and os.environ["RANK"] != "0":

@@ -19,7 +19,7 @@ from kvserve.engine.async_engine import RequestStream
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.context import ServingContext
-from kvserve.server.errors import sse_error, unsupported
+from kvserve.server.errors import check_handoff, sse_error, unsupported
 from kvserve.server.lifecycle import SSE_DONE, SSEResponse, fresh_outputs, last_output, sse, unless_disconnected, usage_of
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.protocol import (
@@ -62,6 +62,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     ctx.check_model(request.model)
     _reject_unsupported(request)
     prompts = _prompts(request.prompt)
+    if request.kv_transfer_params is not None and len(prompts) > 1:
+        raise InvalidRequestError("kv_transfer_params: a handoff carries one prompt, not a list of them", "kv_transfer_params")
     max_tokens = request.max_tokens
     if max_tokens is None and "max_tokens" not in ctx.sampling_defaults.values:
         max_tokens = _DEFAULT_MAX_TOKENS
@@ -78,8 +80,12 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
             # the first output of each prompt is awaited here, so an error before any token
             # (engine dead, rejected at admission) is still an HTTP error, not an SSE event
             firsts = await unless_disconnected(asyncio.gather(*(anext(p.stream) for p in running)), raw)
+            for first in firsts:
+                check_handoff(first)
             return SSEResponse(_events(ctx, request, request_id, created, running, firsts), on_close=close_all)
         finals = await unless_disconnected(asyncio.gather(*(last_output(p.stream) for p in running)), raw)
+        for final in finals:
+            check_handoff(final)
     except BaseException:
         close_all()
         raise
@@ -92,7 +98,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
             echoed = _echoed_logprobs(ctx, request, prompt, final, offsets, c.index)
             choice = _choice(ctx, request, prompt, c, text, c.token_ids, c.logprobs, offsets)
             choices.append(_with_echoed(choice, echoed))
-    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage_of(*finals))
+    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage_of(*finals),
+                              kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)  # fmt: skip
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -104,7 +111,7 @@ async def _start_all(ctx: ServingContext, request: CompletionRequest, prompts: l
             field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             request_id, stream = await ctx.start(
                 prompt, params, "cmpl", prompt_text=prompt if isinstance(prompt, str) else None,
-                cache_salt=request.cache_salt, prompt_field=field,
+                cache_salt=request.cache_salt, prompt_field=field, kv_transfer=request.kv_transfer_params,
             )  # fmt: skip
             echo = ""
             if request.echo:

@@ -54,6 +54,7 @@ class ServingContext:
         cache_salt: str | None = None,
         prompt_field: str = "prompt",
         max_tokens_field: str = "max_tokens",
+        kv_transfer: dict | None = None,
     ) -> tuple[str, RequestStream]:
         """Validate and tokenize the prompt, settle max_tokens, submit: (request id, its stream).
         Raises the typed errors that become 4xx answers, before anything is sent.
@@ -76,5 +77,6 @@ class ServingContext:
         default_max = self.sampling_defaults.values.get("max_tokens")
         params = fit_max_tokens(params, len(ids), self.max_model_len, max_tokens_field, prompt_field, default_max)
         request_id = new_request_id(id_prefix)
-        stream = self.engine.generate(ids, params, request_id, prompt_text=prompt_text, cache_salt=cache_salt)
+        stream = self.engine.generate(ids, params, request_id, prompt_text=prompt_text, cache_salt=cache_salt,
+                                      kv_transfer=kv_transfer)  # fmt: skip
         return request_id, stream

@@ -45,6 +45,16 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def check_handoff(output) -> None:
+    """A decode request whose KV handoff failed and was not recomputed (--kv-transfer-failure
+    fail) is answered 502, before any byte of a stream: the failure is the first output."""
+    t = getattr(output, "kv_transfer_params", None)
+    if t and t.get("error") and not t.get("loaded") and not t.get("recomputed") and "do_remote_prefill" not in t:
+        raise APIError(502, f"the KV handoff failed: {t['error']}", type="server_error", code="kv_transfer_failed")
+    if t and t.get("error") and t.get("do_remote_prefill"):  # the prefill side could not send
+        raise APIError(502, f"the KV handoff could not be sent: {t['error']}", type="server_error", code="kv_transfer_failed")
+
+
 def model_not_found(name: str, served: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist; this server serves `{served}`.", param="model", code="model_not_found")
 

@@ -55,6 +55,8 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # prefill/decode disaggregation (vLLM's field): {"do_remote_decode" | "do_remote_prefill": true, "transfer_id": …}
+    kv_transfer_params: dict[str, Any] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs extra
     # ({"json" | "regex" | "choice" | "grammar" | "json_object": …}) and its older guided_*
     # fields; server/structured.py turns them into the one constraint a request may carry
@@ -173,6 +175,7 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a handoff's result (engine._handoff_result)
 
 
 class TopLogprob(BaseModel):
@@ -229,6 +232,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a handoff's result (engine._handoff_result)
 
 
 def _drop_nulls(handler, model) -> dict:

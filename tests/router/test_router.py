@@ -25,7 +25,9 @@ SYSTEM_B = "You translate short English sentences into plain French. " * 4
 
 class RouterProcess:
     def __init__(self, replicas: list[str], log_path, *flags: str):
-        cmd = [sys.executable, "-m", "kvserve.cli", "router", "--port", "0", "--health-interval", "0.3", "--replica", *replicas, *flags]
+        cmd = [sys.executable, "-m", "kvserve.cli", "router", "--port", "0", "--health-interval", "0.3", *flags]
+        if replicas:
+            cmd += ["--replica", *replicas]
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
@@ -156,16 +158,25 @@ def test_a_dead_replica_is_marked_down_retried_around_and_taken_back(deployment)
     counts = _requests_per_replica(router)
     client.chat.completions.create(model=name, max_tokens=2, temperature=0, messages=ask)
     holder = max(range(2), key=lambda i: _requests_per_replica(router)[i] - counts[i])
-    replicas[holder].kill()
-    for stream in (False, True):
-        out = client.chat.completions.create(model=name, max_tokens=4, temperature=0, messages=ask, stream=stream)
-        if stream:
-            assert "".join(c.choices[0].delta.content or "" for c in out if c.choices)
-        else:
-            assert out.choices[0].message.content
+    # a second router that will not poll again for a minute: only a request can find the death
+    slow = RouterProcess([r.url for r in replicas], deployment["tmp"] / "slow-router.log", "--health-interval", "60",
+                         "--policy", "round-robin")  # fmt: skip
+    try:
+        replicas[holder].kill()
+        for stream in (False, True):
+            out = client.chat.completions.create(model=name, max_tokens=4, temperature=0, messages=ask, stream=stream)
+            if stream:
+                assert "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+            else:
+                assert out.choices[0].message.content
+        for _ in range(2):  # round-robin: one of the two goes to the dead replica first, then is retried
+            assert _client(slow.url).completions.create(model=name, prompt="retry me", max_tokens=2, temperature=0).choices
+        assert metrics(slow.url)["kvserve_router:retries_total"] >= 1
+        assert slow.health()["replicas"][holder]["up"] is False
+    finally:
+        slow.stop()
     state = router.health()["replicas"]
     assert state[holder]["up"] is False and state[1 - holder]["up"] is True and state[holder]["last_error"]
-    assert metrics(router.url)["kvserve_router:retries_total"] >= 1
     replicas[holder] = _replica(deployment["model"], deployment["tmp"], f"replica{holder}-again", ports[holder])
     deadline = time.monotonic() + 30
     while not router.health()["replicas"][holder]["up"]:
