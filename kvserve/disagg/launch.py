@@ -1,7 +1,8 @@
 """`kvserve serve --disaggregation xPyD`: a whole one-host set for trying disaggregation.
 
 x prefill servers (`--role prefill`) and y decode servers (`--role decode`) start as child
-processes on free loopback ports, each with the engine flags this command was given, and a
+processes on free loopback ports, each with the engine flags this command was given
+(`--threads`, if not given, is cores / (x + y), since they share the host's cores), and a
 router (`kvserve router --prefill … --decode …`) serves in front of them on --host/--port.
 The handoffs go through the shared-memory transport, since every server is on this host.
 Ending this process (SIGINT, SIGTERM) stops the servers.
@@ -9,6 +10,7 @@ Ending this process (SIGINT, SIGTERM) stops the servers.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -66,6 +68,9 @@ def run_disaggregated(args) -> int:
     num_prefill, num_decode = parse_spec(args.disaggregation)
     argv = sys.argv[sys.argv.index("serve") + 1 :] if "serve" in sys.argv else []
     base = [sys.executable, "-m", "kvserve.cli", "serve", *server_argv(argv), "--host", "127.0.0.1", "--port", "0"]
+    if not any(a.split("=", 1)[0] == "--threads" for a in argv):
+        # the servers of one host share its cores, as tensor-parallel ranks do: cores / (x + y) each
+        base += ["--threads", str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode)))]
     logs = Path(tempfile.mkdtemp(prefix="kvserve-disagg-"))
     procs: list[subprocess.Popen] = []
     try:
