@@ -121,6 +121,11 @@ class EngineConfig:
     kv_role: str = "both"
     kv_transfer_failure: str = "recompute"
     kv_transfer_timeout_s: float = 60.0
+    # how handoffs travel (disagg/): shm = files in /dev/shm (instances on one host); torch =
+    # torch.distributed point-to-point over gloo (between hosts), the decode side listening at
+    # kv_transfer_listen (HOST:PORT; port 0 = any free one)
+    kv_transport: str = "shm"
+    kv_transfer_listen: str | None = None
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
     # weight format: auto = a GGUF's quantized tensors in their own format, float weights in
@@ -170,6 +175,12 @@ class EngineConfig:
             raise ConfigError("kv_transfer_failure", f"must be recompute or fail, got {self.kv_transfer_failure!r}")
         if not self.kv_transfer_timeout_s > 0:
             raise ConfigError("kv_transfer_timeout_s", f"must be > 0 seconds, got {self.kv_transfer_timeout_s}")
+        if self.kv_transport not in ("shm", "torch"):
+            raise ConfigError("kv_transport", f"must be shm or torch, got {self.kv_transport!r}")
+        if self.kv_transfer_listen is not None:
+            host, _, port = self.kv_transfer_listen.rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ConfigError("kv_transfer_listen", f"expected HOST:PORT, got {self.kv_transfer_listen!r}")
         if self.kv_role != "both" and self.tensor_parallel_size > 1:
             raise ConfigError("kv_role", "prefill/decode roles under tensor parallelism are not supported yet")
         if self.kv_layout not in KV_LAYOUTS:

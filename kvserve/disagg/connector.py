@@ -42,6 +42,7 @@ class KVTransferParams:
     transfer_id: str
     do_remote_decode: bool = False  # this instance prefills and sends
     do_remote_prefill: bool = False  # this instance receives and decodes
+    remote_address: str | None = None  # the decode instance's transfer address (the torch transport)
     # the receiving side's progress
     arrived: KVHandoff | None = dataclasses.field(default=None, repr=False)
     loaded: bool = False
@@ -60,7 +61,11 @@ class KVTransferParams:
         if decode == prefill:
             raise InvalidRequestError("kv_transfer_params needs exactly one of do_remote_decode and do_remote_prefill",
                                       "kv_transfer_params")  # fmt: skip
-        return cls(check_transfer_id(data.get("transfer_id")), do_remote_decode=decode, do_remote_prefill=prefill)
+        address = data.get("remote_address")
+        if address is not None and not isinstance(address, str):
+            raise InvalidRequestError("kv_transfer_params.remote_address must be a HOST:PORT string", "kv_transfer_params")
+        return cls(check_transfer_id(data.get("transfer_id")), do_remote_decode=decode, do_remote_prefill=prefill,
+                   remote_address=address)  # fmt: skip
 
     @property
     def waiting(self) -> bool:
@@ -193,7 +198,7 @@ class KVConnector:
             first_logprob=request.cumulative_logprob if want_logprobs else 0.0,
         )  # fmt: skip
         try:
-            self.transport.send(request.kv_transfer.transfer_id, handoff)
+            self.transport.send(request.kv_transfer.transfer_id, handoff, request.kv_transfer.remote_address)
         except KVTransferError as exc:
             request.kv_transfer.error = str(exc)
             self.failed += 1

@@ -36,7 +36,10 @@ def check_transfer_id(transfer_id: str) -> str:
 class KVTransport:
     name = "none"
 
-    def send(self, transfer_id: str, handoff: KVHandoff) -> None:
+    address: str | None = None  # where senders reach this instance, for transports that need one
+
+    def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
+        """Deliver the handoff (to the decode instance at `address`, where the transport needs one)."""
         raise NotImplementedError
 
     def poll(self, transfer_id: str) -> KVHandoff | None:
@@ -59,7 +62,7 @@ class SharedMemoryTransport(KVTransport):
     def _path(self, transfer_id: str) -> Path:
         return self.directory / f"{check_transfer_id(transfer_id)}.kv"
 
-    def send(self, transfer_id: str, handoff: KVHandoff) -> None:
+    def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
         path = self._path(transfer_id)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(handoff.to_bytes())
@@ -90,10 +93,10 @@ class FaultyTransport(KVTransport):
         self.name = f"faulty({inner.name})"
         self._first_poll: dict[str, float] = {}
 
-    def send(self, transfer_id: str, handoff: KVHandoff) -> None:
+    def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
         if self.fail_send:
             raise KVTransferError(f"handoff {transfer_id}: the test transport failed the send")
-        self.inner.send(transfer_id, handoff)
+        self.inner.send(transfer_id, handoff, address)
 
     def poll(self, transfer_id: str) -> KVHandoff | None:
         if self.fail_receive:

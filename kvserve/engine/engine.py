@@ -241,7 +241,7 @@ class LLMEngine:
         )  # fmt: skip
         if self.tp is None:  # a handoff moves one process's pools (not yet a tensor-parallel group's)
             self.connector = KVConnector(
-                SharedMemoryTransport(), self.runner.kv_pool, self.runner.kv_scales, config.block_size,
+                self._kv_transport(config), self.runner.kv_pool, self.runner.kv_scales, config.block_size,
                 config.kv_transfer_failure, config.kv_transfer_timeout_s,
             )  # fmt: skip
             self.scheduler.connector = self.connector
@@ -252,6 +252,19 @@ class LLMEngine:
         self._children: dict[str, _Parent] = {}
         self.counters = EngineCounters()
         self._next_id = 0
+
+    @staticmethod
+    def _kv_transport(config: EngineConfig):
+        """How this instance's handoffs travel: /dev/shm files, or torch.distributed point to
+        point (a decode instance listens, at kv_transfer_listen or any free loopback port)."""
+        if config.kv_transport == "torch":
+            from kvserve.disagg.torch_transport import TorchDistributedTransport
+
+            listen = config.kv_transfer_listen
+            if listen is None and config.kv_role != "prefill":
+                listen = "127.0.0.1:0"
+            return TorchDistributedTransport(listen)
+        return SharedMemoryTransport()
 
     # ---- tensor parallelism: the ranks -------------------------------------------------
 

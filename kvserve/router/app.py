@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvserve.router.policy import Policy
+from kvserve.router.policy import Choice, Policy
 from kvserve.router.replicas import Replica, health_loop
 
 # answers that mean the instance, not the request, failed: try another
@@ -168,13 +168,22 @@ def create_router_app(
         """The prompt to its first token on a prefill instance, which hands the KV over; then
         the request on a decode instance, whose answer (the first token on) is the client's."""
         transfer_id = uuid.uuid4().hex
-        first = dict(payload, stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+        # the decode instance is picked first: a point-to-point transport needs its address
+        target = policy.choose(decodes, text)
+        if target is None:
+            metrics.failed.inc()
+            return JSONResponse(error_body("no decode instance could serve the request: every one is down", code="no_replica"), 503)
+        params = {"do_remote_decode": True, "transfer_id": transfer_id}
+        if target.replica.kv_address:
+            params["remote_address"] = target.replica.kv_address
+        first = dict(payload, stream=False, max_tokens=1, kv_transfer_params=params)
         first.pop("stream_options", None)
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
         answer = await _answer_from(prefills, path, json.dumps(first).encode(), text, headers)
-        if isinstance(answer, Response) and answer.status_code == 503:
-            # no prefill instance could serve: a decode instance computes the prompt itself
+        if isinstance(answer, Response) and (answer.status_code == 503 or b"kv_transfer_failed" in answer.body):
+            # no prefill instance could serve, or its handoff could not be sent: a decode
+            # instance computes the prompt itself
             return await _serve_from(decodes, path, json.dumps(payload).encode(), text, headers)
         if isinstance(answer, Response):  # the request's own error
             return answer
@@ -183,7 +192,9 @@ def create_router_app(
         metrics.handoff_seconds.observe(handoff.get("seconds") or 0.0)
         rest = dict(payload, kv_transfer_params={"do_remote_prefill": True, "transfer_id": transfer_id})
         sent = time.monotonic()
-        return await _serve_from(decodes, path, json.dumps(rest).encode(), text, headers,
+        # the chosen decode instance first (the KV went to it); if it fails, another computes the prompt itself
+        pool = [target.replica] + [r for r in decodes if r is not target.replica]
+        return await _serve_from(pool, path, json.dumps(rest).encode(), text, headers, prefer=target.replica,
                                  on_first_byte=lambda: metrics.decode_first_byte_seconds.observe(time.monotonic() - sent))  # fmt: skip
 
     async def _answer_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict) -> dict | Response:
@@ -221,12 +232,16 @@ def create_router_app(
                 return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
             return r.json()
 
-    async def _serve_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict, on_first_byte=None) -> Response:
+    async def _serve_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict, on_first_byte=None,
+                          prefer: Replica | None = None) -> Response:  # fmt: skip
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
         errors: list[str] = []
         while True:
-            choice = policy.choose(pool, text, tried)
+            if prefer is not None and prefer.up and prefer.url not in tried:  # where the handoff went
+                choice = Choice(prefer, 0)
+            else:
+                choice = policy.choose(pool, text, tried)
             if choice is None:
                 metrics.failed.inc()
                 why = "; ".join(errors) if errors else "every replica is down"

@@ -14,6 +14,8 @@ import dataclasses
 import logging
 import time
 
+from urllib.parse import urlparse
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,6 +44,7 @@ class Replica:
     requests: int = 0  # sent, retries included
     failures: int = 0
     last_error: str = ""
+    kv_address: str | None = None  # a decode instance's torch-transport address, from its /health
     down_since: float | None = None
     prefixes: PrefixIndex = dataclasses.field(default_factory=PrefixIndex)
 
@@ -79,6 +82,11 @@ async def check(replica: Replica, client: httpx.AsyncClient, headers: dict[str, 
             replica.mark_down(f"/health answered {health.status_code}")
             return
         replica.mark_up()
+        kv = (health.json() or {}).get("kv_transfer") or {}
+        address = kv.get("address")
+        if address and address.startswith(("0.0.0.0:", "[::]:")):  # listening everywhere: reach it where its HTTP is
+            address = f"{urlparse(replica.url).hostname}:{address.rsplit(':', 1)[1]}"
+        replica.kv_address = address
         metrics = await client.get(f"{replica.url}/metrics", headers=headers, timeout=5.0)
         if metrics.status_code == 200:
             for family in text_string_to_metric_families(metrics.text):

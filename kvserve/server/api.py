@@ -93,7 +93,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     async def health() -> Response:
         if not ctx.engine_alive():
             return JSONResponse(error_body("the engine is not running", "service_unavailable"), status_code=503)
-        return JSONResponse({"status": "ok"})
+        body: dict = {"status": "ok"}
+        engine = ctx.engine.engine
+        if engine.connector is not None:  # what a router needs to pair prefill and decode instances
+            transport = engine.connector.transport
+            body["kv_transfer"] = {"role": engine.config.kv_role, "transport": transport.name, "address": transport.address}
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -60,6 +60,12 @@ def register(subparsers) -> None:
                    help="a decode request whose KV handoff fails or times out: recompute the prompt here (default), or "
                         "fail the request with a 502")
     d.add_argument("--kv-transfer-timeout", type=float, default=60.0, help="seconds a decode request waits for its KV (default 60)")
+    d.add_argument("--kv-transport", choices=["shm", "torch"], default="shm",
+                   help="shm (default): handoffs through /dev/shm, every instance on this host; torch: torch.distributed "
+                        "point to point over gloo, between hosts")
+    d.add_argument("--kv-transfer-listen", default=None, metavar="HOST:PORT",
+                   help="torch transport, decode side: where prefill instances connect (default 127.0.0.1 and a free port; "
+                        "0.0.0.0:PORT for other hosts)")
     d.add_argument("--disaggregation", default=None, metavar="xPyD",
                    help="start x prefill and y decode servers on this host (free ports) and a router in front of them on "
                         "--host/--port, e.g. 1P1D; the engine flags go to every server")
@@ -100,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(
         args, max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         kv_role=args.role, kv_transfer_failure=args.kv_transfer_failure, kv_transfer_timeout_s=args.kv_transfer_timeout,
+        kv_transport=args.kv_transport, kv_transfer_listen=args.kv_transfer_listen,
     )  # fmt: skip
     from kvserve.distributed.launch import launched_by_torchrun, run_worker
 

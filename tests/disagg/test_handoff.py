@@ -135,3 +135,37 @@ def test_roles_refuse_the_other_half(tiny_llama):
         _engine(tiny_llama, "prefill").add_request("a", [1, 2, 3], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "x"})
     with pytest.raises(InvalidRequestError, match="transfer_id"):
         _engine(tiny_llama, "both").add_request("a", [1, 2, 3], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "../x"})
+
+
+def test_the_torch_distributed_transport_between_two_engines(tiny_llama):
+    """gloo point to point: the decode engine listens on a free loopback port, the prefill
+    engine connects on its first handoff (a pair of ranks of their own) and sends layer by
+    layer; the tokens are a colocated engine's, and a second handoff reuses the pair."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    want = _run(_engine(tiny_llama, "both"), [(str(i), p, params, None) for i, p in enumerate(PROMPTS[:2])])
+    decode = _engine(tiny_llama, "decode", kv_transport="torch")
+    prefill = _engine(tiny_llama, "prefill", kv_transport="torch")
+    address = decode.connector.transport.address
+    assert address.startswith("127.0.0.1:") and prefill.connector.transport.address is None
+    for i, prompt in enumerate(PROMPTS[:2]):
+        tid = f"torch-{next(_ids)}"
+        first = _run(prefill, [("p", prompt, params, {"do_remote_decode": True, "transfer_id": tid, "remote_address": address})])
+        assert first["p"].kv_transfer_params["error"] is None and first["p"].kv_transfer_params["transport"] == "torch"
+        rest = _run(decode, [("d", prompt, params, {"do_remote_prefill": True, "transfer_id": tid})])
+        assert rest["d"].kv_transfer_params["loaded"]
+        assert rest["d"].outputs[0].token_ids == want[str(i)].outputs[0].token_ids
+    assert len(prefill.connector.transport._pairs) == 1  # one pair, kept
+    _idle(decode)
+
+
+def test_a_torch_handoff_to_nobody_fails_the_send(tiny_llama):
+    from kvserve.disagg.torch_transport import TorchDistributedTransport
+    from kvserve.distributed.launch import free_port
+
+    prefill = _engine(tiny_llama, "prefill", kv_transport="torch")
+    prefill.connector.transport = TorchDistributedTransport(connect_timeout_s=1.0)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = _run(prefill, [("p", PROMPTS[1], params,
+                          {"do_remote_decode": True, "transfer_id": "nobody", "remote_address": f"127.0.0.1:{free_port()}"})])  # fmt: skip
+    assert "to 127.0.0.1" in out["p"].kv_transfer_params["error"]
+    assert prefill.kv_cache.num_free_blocks() == prefill.kv_cache.num_blocks

@@ -23,28 +23,36 @@ FLAGS = ["--dtype", "float32", "--device", "cpu", "--threads", "1", "--no-cpu-ke
          "--max-model-len", "512"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_model_dirs, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pd")
-    model = tiny_model_dirs["llama-gqa"]
-    log = tmp / "pd.log"
+def _launch(model, log, *extra):
+    """`kvserve serve --disaggregation 1P1D`: (process, router URL, {role: server URL})."""
     out = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", model, *FLAGS, "--disaggregation", "1P1D",
-                             "--port", "0"], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+                             "--port", "0", *extra], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 180
     while not _ROUTER.search(log.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
     text = log.read_text()
-    servers = {role: url for role, url in _SERVER.findall(text)}
-    reference = ServerProcess(model, tmp / "colocated.log", "--no-cpu-kernels", "--kv-cache-memory", "4MiB", "--max-model-len", "512")
-    yield {"router": _ROUTER.search(text).group(1), "servers": servers, "reference": reference, "log": log}
-    reference.kill()
+    return proc, _ROUTER.search(text).group(1), {role: url for role, url in _SERVER.findall(text)}
+
+
+def _stop(proc):
     proc.send_signal(signal.SIGINT)
     try:
-        assert proc.wait(timeout=60) is not None
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dirs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    model = tiny_model_dirs["llama-gqa"]
+    proc, router, servers = _launch(model, tmp / "pd.log")
+    reference = ServerProcess(model, tmp / "colocated.log", "--no-cpu-kernels", "--kv-cache-memory", "4MiB", "--max-model-len", "512")
+    yield {"router": router, "servers": servers, "reference": reference, "model": model}
+    reference.kill()
+    _stop(proc)
 
 
 def _client(url):
@@ -100,6 +108,25 @@ def test_without_a_prefill_instance_the_decode_server_computes_the_prompt(pd, tm
         assert [r["up"] for r in front.health()["replicas"]] == [False, True]  # the dead prefill instance, marked down
     finally:
         front.stop()
+
+
+def test_over_torch_distributed_point_to_point(pd, tmp_path):
+    """--kv-transport torch: the decode server listens (its /health gives the address), the
+    router passes it to the prefill server, which sends over gloo; same answers."""
+    proc, router, servers = _launch(pd["model"], tmp_path / "torch.log", "--kv-transport", "torch")
+    try:
+        health = httpx.get(f"{servers['decode']}/health", timeout=10).json()
+        assert health["kv_transfer"]["transport"] == "torch" and health["kv_transfer"]["address"].startswith("127.0.0.1:")
+        kw = dict(model=pd["reference"].model_name, max_tokens=8, temperature=0)
+        ref = _client(pd["reference"].url)
+        for prompt in ("Over the wire", "Twice over the same pair"):
+            want = ref.completions.create(prompt=prompt, **kw).choices[0].text
+            raw = httpx.post(f"{router}/v1/completions", json={"prompt": prompt, **kw}, timeout=60).json()
+            assert raw["kv_transfer_params"]["loaded"] and raw["choices"][0]["text"] == want
+            streamed = _client(router).completions.create(prompt=prompt, stream=True, **kw)
+            assert "".join(c.choices[0].text for c in streamed) == want
+    finally:
+        _stop(proc)
 
 
 def test_a_server_refuses_the_half_its_role_does_not_take(pd):
