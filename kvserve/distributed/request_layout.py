@@ -64,10 +64,6 @@ class RequestShardedMetadata:
     rows_per_rank: list[int]
 
     @property
-    def prefills(self) -> list:
-        return [seg for m in self.per_rank for seg in m.prefills]
-
-    @property
     def kv_positions_read(self) -> int:
         return sum(m.kv_positions_read for m in self.per_rank)
 

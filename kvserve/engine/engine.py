@@ -273,7 +273,8 @@ class LLMEngine:
         with what differed: ranks given different files or flags would compute garbage."""
         c = self.config
         mine = {
-            "model": str(self.model_name), "model files": model_fingerprint(self.model_source), "arch": self.arch, "dtype": str(c.torch_dtype), "kv_dtype": str(self.layout.kv_dtype),
+            "model": str(self.model_name), "model files": model_fingerprint(self.model_source), "arch": self.arch,
+            "dtype": str(c.torch_dtype), "kv_dtype": str(self.layout.kv_dtype),
             "blocks": self.layout.num_blocks, "block_size": c.block_size, "max_model_len": self.max_model_len,
             "prefix_caching": c.enable_prefix_caching, "shared_prefix_attention": c.shared_prefix_attention, "kv_layout": c.kv_layout,
         }  # fmt: skip
@@ -459,6 +460,8 @@ class LLMEngine:
             if r.is_finished:
                 self.counters.finished[r.status.value] += 1
         if plan.is_empty:
+            if not plan.arrived and self.scheduler.has_unfinished():
+                time.sleep(0.001)  # only requests waiting for their KV: poll again soon, without taking a core
             # a decode request's first token may have arrived with its KV (or its handoff failed)
             return [self._emit(p) for p in {self._children[r.request_id].request_id: self._children[r.request_id]
                                            for r in plan.arrived}.values()]  # fmt: skip

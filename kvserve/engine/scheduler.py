@@ -55,10 +55,6 @@ class SchedulerOutput:
     arrived: list[Request] = dataclasses.field(default_factory=list)
 
     @property
-    def has_news(self) -> bool:
-        return bool(self.scheduled or self.arrived)
-
-    @property
     def sampling(self) -> list[ScheduledRequest]:
         """The requests that sample a token this step, in scheduling order: the order of the
         runner's logits rows and so of the sampler output's rows."""
