@@ -10,8 +10,9 @@ Two halves, in the shape of vLLM's KV connector v1 (written anew):
   and `wait_for_layer_load` on the receiving side, `save_kv_layer` and `wait_for_save` on
   the sending side.
 
-A prefill request (`do_remote_decode`) runs to its first token; its prompt's KV is then
-saved layer by layer and sent with the first token. A decode request (`do_remote_prefill`)
+A prefill request (`do_remote_decode`) runs to its first token. In the forward pass that
+completes its prompt, each layer's K/V are saved as soon as that layer is done, and a
+streaming transport sends them while the next layers compute; the first token follows. A decode request (`do_remote_prefill`)
 waits, without holding blocks, until its handoff has arrived. It then takes the first
 token as its own, allocates blocks for the prompt (a local prefix-cache hit is kept, and only
 the rest is loaded), loads the KV into them and goes on decoding from position P.
@@ -51,7 +52,8 @@ class KVTransferParams:
     since: float = dataclasses.field(default_factory=time.monotonic)
     # the sending side's result, for the response
     sent_bytes: int = 0
-    send_seconds: float = 0.0
+    send_seconds: float = 0.0  # from the forward pass's start to the handoff delivered
+    finish_wait_seconds: float = 0.0  # of which after the first token: what overlapping with the prefill did not hide
 
     @classmethod
     def from_dict(cls, data) -> "KVTransferParams":
@@ -83,7 +85,7 @@ class KVConnector:
         self.block_size = block_size
         self.failure = failure
         self.timeout_s = timeout_s
-        self._saving: dict | None = None
+        self._saving: dict[str, dict] = {}  # prefill requests being sent: request id -> buffer, send
         # totals, for metrics
         self.sent = self.received = self.failed = 0
         self.bytes_sent = self.bytes_received = 0
@@ -140,16 +142,16 @@ class KVConnector:
         request.kv_transfer.arrived = None  # the pool has it now
 
     def request_finished(self, request, block_ids: list[int]) -> bool:
-        """A prefill request finished with its first token: send its prompt's KV. Returns
-        whether its blocks must outlive it: no, the shared-memory send is done when it returns."""
+        """A prefill request finished with its first token: its prompt's KV goes out (the
+        layers the forward pass already saved, and any it did not). Returns whether its
+        blocks must outlive it: no, `wait_for_save` returns once the handoff is delivered."""
         t = request.kv_transfer
         if t is None or not t.do_remote_decode or not request.output_token_ids:
+            self.cancel_save(request)
             return False
-        start = time.perf_counter()
-        for layer in range(self.kv_pool.shape[1]):
-            self.save_kv_layer(layer, request, block_ids)
+        if request.request_id not in self._saving:
+            self.start_save(request, block_ids)
         t.sent_bytes = self.wait_for_save(request)
-        t.send_seconds = time.perf_counter() - start
         return False
 
     # ---- the worker half ---------------------------------------------------------------
@@ -171,38 +173,64 @@ class KVConnector:
             if self.kv_scales is not None and handoff.scales is not None:
                 self.kv_scales[kv, layer, blocks, offsets] = handoff.scales[kv, layer, start:]
 
-    def save_kv_layer(self, layer: int, request, block_ids: list[int]) -> None:
-        """Copy layer `layer`'s K and V of the prompt's positions out of the pool."""
-        if self._saving is None or self._saving["request"] is not request:
-            P = request.num_prompt_tokens
-            pool = self.kv_pool
-            self._saving = {
-                "request": request, "slots": self._slots(block_ids, 0, P),
-                "kv": torch.empty((2, pool.shape[1], P, *pool.shape[4:]), dtype=pool.dtype),
-                "scales": None if self.kv_scales is None else torch.empty((2, pool.shape[1], P, pool.shape[4]), dtype=torch.float32),
-            }  # fmt: skip
-        s = self._saving
+    def start_save(self, request, block_ids: list[int]) -> None:
+        """Before the forward pass that computes the rest of a prefill request's prompt: a
+        buffer for its P positions and a send the layers stream into as they are done."""
+        t = request.kv_transfer
+        P, pool = request.num_prompt_tokens, self.kv_pool
+        kv = torch.empty((2, pool.shape[1], P, *pool.shape[4:]), dtype=pool.dtype)
+        scales = None if self.kv_scales is None else torch.empty((2, pool.shape[1], P, pool.shape[4]), dtype=torch.float32)
+        state = {"slots": self._slots(block_ids, 0, P), "kv": kv, "scales": scales, "saved": set(), "start": time.perf_counter()}
+        try:
+            state["send"] = self.transport.open_send(t.transfer_id, t.remote_address, kv, scales)
+        except KVTransferError as exc:
+            state["send"], t.error = None, str(exc)
+        self._saving[request.request_id] = state
+
+    def save_kv_layer(self, layer: int, request) -> None:
+        """Layer `layer` is computed: copy its K and V of the prompt's positions out of the
+        pool, and let the transport send them while the next layers run."""
+        s = self._saving[request.request_id]
         blocks, offsets = s["slots"]
         for kv in (0, 1):
             s["kv"][kv, layer] = self.kv_pool[kv, layer, blocks, offsets]
             if s["scales"] is not None:
                 s["scales"][kv, layer] = self.kv_scales[kv, layer, blocks, offsets]
+        s["saved"].add(layer)
+        if s["send"] is not None:
+            s["send"].layer_ready(layer)
+
+    def cancel_save(self, request) -> None:
+        s = self._saving.pop(request.request_id, None)
+        if s is not None and s["send"] is not None:
+            s["send"].cancel()
 
     def wait_for_save(self, request) -> int:
-        """Send what `save_kv_layer` gathered, with the first token; the bytes sent."""
-        s, self._saving = self._saving, None
+        """Finish the send with the first token; the bytes sent (0 if it failed)."""
+        s = self._saving[request.request_id]
+        for layer in range(self.kv_pool.shape[1]):  # a step that ran no hook (the fused decode path) saves here
+            if layer not in s["saved"]:
+                self.save_kv_layer(layer, request)
+        del self._saving[request.request_id]
+        t = request.kv_transfer
+        if s["send"] is None:  # opening the send failed: t.error says why
+            self.failed += 1
+            return 0
         want_logprobs = request.sampling_params.logprobs is not None and request.logprobs
         handoff = KVHandoff(
             prompt_token_ids=request.prompt_token_ids, first_token=request.output_token_ids[0], kv=s["kv"], scales=s["scales"],
             first_logprobs=request.logprobs[0] if want_logprobs else None,
             first_logprob=request.cumulative_logprob if want_logprobs else 0.0,
         )  # fmt: skip
+        waited = time.perf_counter()
         try:
-            self.transport.send(request.kv_transfer.transfer_id, handoff, request.kv_transfer.remote_address)
+            s["send"].finish(handoff)
         except KVTransferError as exc:
-            request.kv_transfer.error = str(exc)
+            t.error = str(exc)
             self.failed += 1
             return 0
+        done = time.perf_counter()
+        t.send_seconds, t.finish_wait_seconds = done - s["start"], done - waited
         self.sent += 1
         self.bytes_sent += handoff.nbytes
         return handoff.nbytes

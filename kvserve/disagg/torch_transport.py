@@ -8,9 +8,15 @@ rank 1 the prefill instance. No process-wide `init_process_group` is involved, s
 number of pairs coexist with each other and with tensor parallelism's own group.
 
 Per handoff, over the pair's group, in order:
-1. a header, int64 [8]: metadata length, layers, positions, KV heads, head size, dtype code, whether scales follow;
-2. the metadata as UTF-8 JSON bytes: the transfer id, prompt, first token and logprobs;
-3. each layer's K and V, [2, P, N_kv, H], one message a layer (and its int8 scales).
+1. a header, int64 [8]: layers, positions, KV heads, head size, dtype code, whether int8 scales follow;
+2. each layer's K and V, [2, P, N_kv, H] (and its scales), one message a layer, sent while
+   the prefill computes the next layers (`open_send`: the connector hands each layer over as
+   soon as it has run);
+3. the metadata's length, then the metadata as UTF-8 JSON: the transfer id, prompt, first
+   token and logprobs, known only once the last layer has run and the token is sampled.
+
+A pair's sending thread sends its queued handoffs one after another, so the layers of two
+never interleave.
 
 The decode instance's receiver thread for the pair stores each handoff by transfer id, and
 `poll` takes it from there. A pair whose peer dies fails its next send or receive, and is
@@ -20,17 +26,20 @@ waiting decode request times out into its failure policy.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
+import queue
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from kvserve.disagg.handoff import KVHandoff
-from kvserve.disagg.transport import KVTransferError, KVTransport
+from kvserve.disagg.transport import KVTransferError, KVTransport, OutgoingHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,7 @@ _DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.float16]
 # a pair lives as long as its instances: its group must not time out between handoffs
 _PAIR_TIMEOUT = datetime.timedelta(days=7)
 CONNECT_TIMEOUT_S = 10.0  # reaching a decode instance's store, and building the pair
+_FINISH_TIMEOUT_S = 60.0  # a handoff not delivered by then fails (a hung decode instance)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -55,53 +65,70 @@ class TorchDistributedTransport(KVTransport):
         self._arrived: dict[str, KVHandoff] = {}
         self._failed_pairs = 0
         self._lock = threading.Lock()
-        self._pairs: dict[str, tuple[object, threading.Lock]] = {}  # sending side: address -> (group, its lock)
-        self._stores: dict[str, dist.TCPStore] = {}
+        self._pairs: dict[str, _Pair] = {}  # sending side: address -> its pair
         self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._groups: list = []  # the receiving side's pair groups, dropped on close
         self.address: str | None = None  # where prefill instances reach this one (the receiving side)
         if listen is not None:
             host, port = _split(listen)
             self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self._connect_timeout)
             self.address = f"{host}:{self._store.port}"
-            threading.Thread(target=self._accept, name="kv-transfer-accept", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._accept, name="kv-transfer-accept", daemon=True))
+            self._threads[-1].start()
+        _OPEN.add(self)
 
     # ---- receiving (the decode side) ---------------------------------------------------
 
     def _accept(self) -> None:
         accepted = 0
         while not self._closed:
+            store = self._store
+            if store is None:  # closed
+                return
             try:
-                registered = self._store.add("senders", 0)
+                registered = store.add("senders", 0)
             except Exception:  # the store went with the process
                 return
             while accepted < registered:
                 accepted += 1
-                threading.Thread(target=self._receive_pair, args=(accepted,), name=f"kv-transfer-pair{accepted}", daemon=True).start()
+                t = threading.Thread(target=self._receive_pair, args=(accepted,), name=f"kv-transfer-pair{accepted}", daemon=True)
+                self._threads.append(t)
+                t.start()
             time.sleep(0.01)
 
     def _receive_pair(self, pair: int) -> None:
         try:
             group = dist.ProcessGroupGloo(dist.PrefixStore(f"pair{pair}/", self._store), 0, 2, _PAIR_TIMEOUT)
+            self._groups.append(group)
+            received = 0
             while not self._closed:
+                # idle in Python, not inside a gloo receive: the sender counts each handoff in
+                # the store before its first message, and a process may exit with no wait in flight
+                store = self._store
+                if store is None:
+                    return
+                if store.add(f"pair{pair}/handoffs", 0) <= received:
+                    time.sleep(0.005)
+                    continue
+                received += 1
                 handoff, transfer_id = self._receive_one(group)
-                with self._lock:
-                    self._arrived[transfer_id] = handoff
+                if handoff is not None:  # (None: the prefill request was aborted mid-send)
+                    with self._lock:
+                        self._arrived[transfer_id] = handoff
         except Exception as exc:  # the sender went away: this pair is over
             if not self._closed:
                 logger.info("KV transfer pair %d ended: %s", pair, exc)
                 self._failed_pairs += 1
 
     @staticmethod
-    def _receive_one(group) -> tuple[KVHandoff, str]:
+    def _receive_one(group) -> tuple[KVHandoff | None, str]:
         header = torch.empty(8, dtype=torch.int64)
         group.recv([header], 1, 0).wait()
-        meta_len, layers, positions, kv_heads, head_dim, dtype_code, has_scales, _ = header.tolist()
-        meta_bytes = torch.empty(meta_len, dtype=torch.uint8)
-        group.recv([meta_bytes], 1, 0).wait()
-        meta = json.loads(bytes(meta_bytes.numpy()).decode())
+        layers, positions, kv_heads, head_dim, dtype_code, has_scales, _, _ = header.tolist()
         kv = torch.empty((2, layers, positions, kv_heads, head_dim), dtype=_DTYPES[dtype_code])
         scales = torch.empty((2, layers, positions, kv_heads), dtype=torch.float32) if has_scales else None
-        for layer in range(layers):  # one message a layer, as the sender saved them
+        for layer in range(layers):  # one message a layer, sent as the prefill computed them
             part = torch.empty((2, positions, kv_heads, head_dim), dtype=kv.dtype)
             group.recv([part], 1, 0).wait()
             kv[:, layer] = part
@@ -109,6 +136,13 @@ class TorchDistributedTransport(KVTransport):
                 s = torch.empty((2, positions, kv_heads), dtype=torch.float32)
                 group.recv([s], 1, 0).wait()
                 scales[:, layer] = s
+        meta_len = torch.empty(1, dtype=torch.int64)
+        group.recv([meta_len], 1, 0).wait()
+        meta_bytes = torch.empty(int(meta_len), dtype=torch.uint8)
+        group.recv([meta_bytes], 1, 0).wait()
+        meta = json.loads(bytes(meta_bytes.numpy()).decode())
+        if meta.get("cancelled"):
+            return None, meta["transfer_id"]
         logprobs = meta["first_logprobs"]
         return KVHandoff(
             prompt_token_ids=meta["prompt_token_ids"], first_token=meta["first_token"], kv=kv, scales=scales,
@@ -126,45 +160,141 @@ class TorchDistributedTransport(KVTransport):
 
     # ---- sending (the prefill side) -----------------------------------------------------
 
-    def _pair(self, address: str):
+    def _pair(self, address: str) -> "_Pair":
         with self._lock:
-            if address in self._pairs:
-                return self._pairs[address]
+            pair = self._pairs.get(address)
+            if pair is not None and pair.broken is None:
+                return pair
         host, port = _split(address)
         store = dist.TCPStore(host, port, is_master=False, timeout=self._connect_timeout)
-        pair = store.add("senders", 1)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(f"pair{pair}/", store), 1, 2, _PAIR_TIMEOUT)
-        entry = (group, threading.Lock())
+        number = store.add("senders", 1)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"pair{number}/", store), 1, 2, _PAIR_TIMEOUT)
+        pair = _Pair(group, store, address, number)
         with self._lock:
-            self._stores[address] = store
-            self._pairs[address] = entry
-        return entry
+            self._pairs[address] = pair
+        return pair
 
-    def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
+    def open_send(self, transfer_id: str, address: str | None, kv: torch.Tensor, scales: torch.Tensor | None) -> "_StreamedSend":
         if address is None:
             raise KVTransferError(f"handoff {transfer_id}: no decode instance address (kv_transfer_params.remote_address)")
         try:
-            group, lock = self._pair(address)
-            kv = handoff.kv
-            meta = json.dumps({"transfer_id": transfer_id, "prompt_token_ids": handoff.prompt_token_ids,
-                               "first_token": handoff.first_token,
-                               "first_logprobs": None if handoff.first_logprobs is None else
-                               {str(k): v for k, v in handoff.first_logprobs.items()},
-                               "first_logprob": handoff.first_logprob}).encode()  # fmt: skip
-            header = torch.tensor([len(meta), kv.shape[1], kv.shape[2], kv.shape[3], kv.shape[4], _DTYPES.index(kv.dtype),
-                                   int(handoff.scales is not None), 0], dtype=torch.int64)  # fmt: skip
-            with lock:  # one handoff at a time per pair: the messages of two must not interleave
-                group.send([header], 0, 0).wait()
-                group.send([torch.frombuffer(bytearray(meta), dtype=torch.uint8)], 0, 0).wait()
-                for layer in range(kv.shape[1]):
-                    group.send([kv[:, layer].contiguous()], 0, 0).wait()
-                    if handoff.scales is not None:
-                        group.send([handoff.scales[:, layer].contiguous()], 0, 0).wait()
+            pair = self._pair(address)
         except Exception as exc:
-            with self._lock:  # a broken pair is rebuilt on the next send
-                self._pairs.pop(address, None)
-                self._stores.pop(address, None)
             raise KVTransferError(f"handoff {transfer_id} to {address}: {type(exc).__name__}: {exc}") from exc
+        return _StreamedSend(pair, transfer_id, kv, scales)
+
+    def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
+        """The whole handoff at once (every layer ready)."""
+        out = self.open_send(transfer_id, address, handoff.kv, handoff.scales)
+        for layer in range(handoff.kv.shape[1]):
+            out.layer_ready(layer)
+        out.finish(handoff)
 
     def close(self) -> None:
+        """Stop the threads (idle ones leave within a poll), then let go of the groups and
+        stores, pairs before stores: torn down at interpreter exit with their threads still
+        running, gloo's and the store's C++ threads abort the process."""
+        if self._closed:
+            return
         self._closed = True
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            pair.stop()
+        for t in self._threads + [p.thread for p in pairs]:
+            t.join(timeout=2)
+        self._groups.clear()
+        for pair in pairs:
+            pair.group = pair.store = None
+        self._store = None
+        _OPEN.discard(self)
+
+
+_OPEN: "weakref.WeakSet[TorchDistributedTransport]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for transport in list(_OPEN):
+        transport.close()
+
+
+class _Pair:
+    """The sending side of one pair: its group, and a thread that sends the queued handoffs
+    one after another, each message in order (two handoffs' layers never interleave)."""
+
+    def __init__(self, group, store, address: str, number: int):
+        self.group, self.store, self.address, self.number = group, store, address, number
+        self.jobs: queue.Queue[_StreamedSend | None] = queue.Queue()
+        self.broken: Exception | None = None
+        self.thread = threading.Thread(target=self._run, name=f"kv-transfer-send-{address}", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if self.broken is not None:  # an earlier handoff broke the pair: this one cannot go
+                job.fail(self.broken)
+                continue
+            try:
+                self.store.add(f"pair{self.number}/handoffs", 1)  # the receiver starts receiving now
+                while (message := job.messages.get()) is not None:
+                    self.group.send([message], 0, 0).wait()
+                job.done.set()
+            except Exception as exc:
+                self.broken = exc
+                job.fail(exc)
+
+
+class _StreamedSend(OutgoingHandoff):
+    """A handoff whose layers go out as they are computed: header now, each layer on
+    `layer_ready`, the metadata (first token) on `finish`, which waits for delivery."""
+
+    def __init__(self, pair: _Pair, transfer_id: str, kv: torch.Tensor, scales: torch.Tensor | None):
+        self.pair, self.transfer_id, self.kv, self.scales = pair, transfer_id, kv, scales
+        self.messages: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self.done = threading.Event()
+        self.error: Exception | None = None
+        self.queued: set[int] = set()
+        self.messages.put(torch.tensor([kv.shape[1], kv.shape[2], kv.shape[3], kv.shape[4], _DTYPES.index(kv.dtype),
+                                        int(scales is not None), 0, 0], dtype=torch.int64))  # fmt: skip
+        pair.jobs.put(self)
+
+    def fail(self, exc: Exception) -> None:
+        self.error = exc
+        self.done.set()
+
+    def layer_ready(self, layer: int) -> None:
+        if layer in self.queued:
+            return
+        self.queued.add(layer)
+        self.messages.put(self.kv[:, layer].contiguous())  # a copy: the buffer may be reused
+        if self.scales is not None:
+            self.messages.put(self.scales[:, layer].contiguous())
+
+    def _end(self, meta: dict) -> None:
+        data = json.dumps({"transfer_id": self.transfer_id, **meta}).encode()
+        self.messages.put(torch.tensor([len(data)], dtype=torch.int64))
+        self.messages.put(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.messages.put(None)
+
+    def finish(self, handoff: KVHandoff) -> None:
+        self._end({"prompt_token_ids": handoff.prompt_token_ids, "first_token": handoff.first_token,
+                   "first_logprobs": None if handoff.first_logprobs is None else
+                   {str(k): v for k, v in handoff.first_logprobs.items()},
+                   "first_logprob": handoff.first_logprob})  # fmt: skip
+        if not self.done.wait(timeout=_FINISH_TIMEOUT_S):
+            raise KVTransferError(f"handoff {self.transfer_id} to {self.pair.address}: not delivered within {_FINISH_TIMEOUT_S:g} s")
+        if self.error is not None:
+            raise KVTransferError(f"handoff {self.transfer_id} to {self.pair.address}: {type(self.error).__name__}: {self.error}")
+
+    def cancel(self) -> None:
+        """The receiver expects every layer: the missing ones go as they are (never read), then a cancelled mark."""
+        for layer in range(self.kv.shape[1]):
+            self.layer_ready(layer)
+        self._end({"cancelled": True})

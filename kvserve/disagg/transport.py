@@ -33,10 +33,33 @@ def check_transfer_id(transfer_id: str) -> str:
     return transfer_id
 
 
+class OutgoingHandoff:
+    """One handoff being sent, layer by layer as the prefill computes them: `layer_ready(l)`
+    once layer l's K/V are in the buffer, `finish(handoff)` once the first token is known
+    (it returns when the handoff is delivered, or raises KVTransferError). This default
+    gathers the layers and sends the whole handoff at `finish`."""
+
+    def __init__(self, transport: "KVTransport", transfer_id: str, address: str | None):
+        self.transport, self.transfer_id, self.address = transport, transfer_id, address
+
+    def layer_ready(self, layer: int) -> None:
+        pass
+
+    def finish(self, handoff: KVHandoff) -> None:
+        self.transport.send(self.transfer_id, handoff, self.address)
+
+    def cancel(self) -> None:
+        """The request was aborted before its first token: nothing more goes out."""
+
+
 class KVTransport:
     name = "none"
 
     address: str | None = None  # where senders reach this instance, for transports that need one
+
+    def open_send(self, transfer_id: str, address: str | None, kv, scales) -> OutgoingHandoff:
+        """Start sending a handoff whose K/V (and int8 scales) fill `kv` / `scales` layer by layer."""
+        return OutgoingHandoff(self, transfer_id, address)
 
     def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
         """Deliver the handoff (to the decode instance at `address`, where the transport needs one)."""

@@ -467,12 +467,16 @@ class LLMEngine:
                                            for r in plan.arrived}.values()]  # fmt: skip
         batch = self.runner.prepare(plan)
         sampling = [s.request for s in batch.sampling]
-        if sampling and self.sampler.plain_greedy(sampling):
-            # argmax only: the LM head takes it as it computes, where it can (no logits written)
-            sampled = self.sampler.greedy_output(self.runner.execute_greedy(batch, self.sampler.argmax))
-        else:
-            logits = self.runner.execute(batch)
-            sampled = self.sampler(logits, sampling) if sampling else None
+        saving = self._start_handoffs(plan)
+        try:
+            if sampling and self.sampler.plain_greedy(sampling):
+                # argmax only: the LM head takes it as it computes, where it can (no logits written)
+                sampled = self.sampler.greedy_output(self.runner.execute_greedy(batch, self.sampler.argmax))
+            else:
+                logits = self.runner.execute(batch)
+                sampled = self.sampler(logits, sampling) if sampling else None
+        finally:
+            self.model.layer_hook = None
         update = self.scheduler.update_from_output(plan, sampled)
         self.scheduler.record_prompt_logprobs(batch.prompt_logprobs)
         self._count(plan, update)
@@ -481,9 +485,29 @@ class LLMEngine:
             for r in update.finished:
                 if r.kv_transfer is not None and r.kv_transfer.do_remote_decode and r.status != RequestStatus.FINISHED_ABORTED:
                     self.connector.request_finished(r, plan.block_tables[r.request_id])
+            for r in saving:
+                if not r.is_finished:  # (a prefill request always ends at its first token)
+                    self.connector.cancel_save(r)
         # one output per user request that got a token (its n samples together)
         touched = {p.request_id: p for p in (self._children[r.request_id] for r in (*plan.arrived, *update.sampled))}
         return [self._emit(p) for p in touched.values()]
+
+    def _start_handoffs(self, plan: SchedulerOutput) -> list[Request]:
+        """Prefill requests whose prompt this step completes: their handoffs open now, and each
+        layer's K/V go out as soon as the layer has run (the model's layer hook), overlapping
+        the send with the rest of the forward pass."""
+        if self.connector is None:
+            return []
+        saving = []
+        for s in plan.scheduled:
+            r, t = s.request, s.request.kv_transfer
+            if s.samples and t is not None and t.do_remote_decode and not r.output_token_ids:
+                self.connector.start_save(r, plan.block_tables[r.request_id])
+                saving.append(r)
+        if saving:
+            connector = self.connector
+            self.model.layer_hook = lambda layer: [connector.save_kv_layer(layer, r) for r in saving]
+        return saving
 
     def _count(self, plan: SchedulerOutput, update: StepUpdate) -> None:
         counters = self.counters
@@ -553,8 +577,8 @@ class LLMEngine:
         t = request.kv_transfer
         if t.do_remote_decode:
             return {"do_remote_prefill": True, "transfer_id": t.transfer_id, "num_positions": request.num_prompt_tokens,
-                    "bytes": t.sent_bytes, "seconds": t.send_seconds, "transport": self.connector.transport.name,
-                    "error": t.error}  # fmt: skip
+                    "bytes": t.sent_bytes, "seconds": t.send_seconds, "seconds_after_first_token": t.finish_wait_seconds,
+                    "transport": self.connector.transport.name, "error": t.error}  # fmt: skip
         return {"transfer_id": t.transfer_id, "loaded": t.loaded, "recomputed": t.recomputed, "error": t.error}
 
     # ---- introspection -------------------------------------------------------------------

@@ -193,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
                 lin.process_weights_after_loading()
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
+        # called with each layer's index once it has run (the engine's KV handoffs save it then); None: none
+        self.layer_hook: Callable[[int], None] | None = None
         # the requests KV layout's head bookkeeping (set by the engine); None: the heads layout
         self.request_heads: RequestHeads | None = None
         self._decode_model = None  # ops.DecodeModel, built on the first fused step
@@ -331,8 +333,10 @@ class LlamaForCausalLM(nn.Module):
             return hidden
         rope = RopeInputs(self.rotary, positions, h.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, rope, meta)
+            if self.layer_hook is not None:  # layer i's K/V of this step are in the pool
+                self.layer_hook(i)
         return residual.add_(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
