@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,27 +26,14 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.disagg.launch import start_and_wait
+
 _SERVING = re.compile(r"serving (\S+) at (http://\S+)/v1")
 _ROUTING = re.compile(r"router \(\S+\) at (http://\S+)/v1")
 _WORDS = ("the of and to in is was for on are with as his they at be this from have or one had by word but not what all "
           "were when we there can an your which their said if do will each about how up out them then she many some so "
           "these would other into has more her two like him see time could no make than first been its who now people my "
           "made over did down only way find use may water long little very after words called just where most know").split()  # fmt: skip
-
-
-def _start(cmd: list[str], log: Path, pattern: re.Pattern, timeout_s: float = 180) -> tuple[subprocess.Popen, re.Match]:
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        match = pattern.search(log.read_text(errors="replace"))
-        if match:
-            return proc, match
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{' '.join(cmd[:4])} did not start:\n{log.read_text()[-2000:]}")
 
 
 def _counters(url: str) -> tuple[float, float]:
@@ -67,7 +53,7 @@ def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvserve-router-bench-"))
     serve = [sys.executable, "-m", "kvserve.cli", "serve", "--port", "0", "--threads", "1",
              "--kv-cache-memory", args.kv_cache_memory] + (["--model", args.model] if args.model else [])  # fmt: skip
-    replicas = [_start(serve, tmp / f"replica{i}.log", _SERVING) for i in range(2)]
+    replicas = [start_and_wait(serve, tmp / f"replica{i}.log", _SERVING) for i in range(2)]
     urls = [m.group(2) for _, m in replicas]
     name = replicas[0][1].group(1)
     rng = np.random.default_rng(args.seed)
@@ -75,7 +61,7 @@ def run(args) -> dict:
     try:
         for round_ in range(args.rounds):
             for policy in ("prefix", "round-robin"):
-                router, match = _start([sys.executable, "-m", "kvserve.cli", "router", "--port", "0", "--policy", policy,
+                router, match = start_and_wait([sys.executable, "-m", "kvserve.cli", "router", "--port", "0", "--policy", policy,
                                         "--replica", *urls], tmp / f"router-{policy}-{round_}.log", _ROUTING)  # fmt: skip
                 url = match.group(1)
                 try:

@@ -49,19 +49,21 @@ def server_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _start(cmd: list[str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+def start_and_wait(cmd: list[str], log: Path, pattern: re.Pattern, timeout_s: float = 300) -> tuple[subprocess.Popen, re.Match]:
+    """Start a kvserve process with its output in `log`, and wait for the line saying where it
+    serves (`pattern`); a process that exits or takes longer is a ConfigError with its log."""
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        match = _SERVING.search(log.read_text(errors="replace"))
+        match = pattern.search(log.read_text(errors="replace"))
         if match:
-            return proc, match.group(1)
+            return proc, match
         if proc.poll() is not None:
             break
         time.sleep(0.2)
     proc.kill()
-    raise ConfigError("disaggregation", f"a server did not start; its log ({log}):\n{log.read_text()[-3000:]}")
+    raise ConfigError("disaggregation", f"{' '.join(cmd[2:5])} did not start; its log ({log}):\n{log.read_text()[-3000:]}")
 
 
 def run_disaggregated(args) -> int:
@@ -77,8 +79,9 @@ def run_disaggregated(args) -> int:
         urls = {"prefill": [], "decode": []}
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):
-                proc, url = _start([*base, "--role", role], logs / f"{role}{i}.log")
+                proc, match = start_and_wait([*base, "--role", role], logs / f"{role}{i}.log", _SERVING)
                 procs.append(proc)
+                url = match.group(1)
                 urls[role].append(url)
                 print(f"kvserve: {role} server {i} at {url} (log {logs / f'{role}{i}.log'})", file=sys.stderr, flush=True)
         router = [sys.executable, "-m", "kvserve.cli", "router", "--host", args.host, "--port", str(args.port),

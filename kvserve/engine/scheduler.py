@@ -142,20 +142,11 @@ class Scheduler:
                     if not self.kv_cache.allocate_slots(request, remote + 1, computed_blocks):
                         break
                     self.connector.update_state_after_alloc(request, self.kv_cache.block_ids(request.request_id), num_cached)
-                    self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
-                    self.waiting.popleft()
-                    self.running.append(request)
-                    if request.timing.first_scheduled is None:
-                        request.timing.first_scheduled = now
-                        request.num_cached_tokens = num_cached
-                    request.status = RequestStatus.RUNNING
-                    request.num_computed_tokens = num_cached + remote
-                    scheduled.append(ScheduledRequest(request, 1))
-                    budget -= 1
-                    continue
-                n = self._chunk(request, num_cached, budget)
-                if not self.kv_cache.allocate_slots(request, n, computed_blocks):
-                    break
+                    n = 1
+                else:
+                    n = self._chunk(request, num_cached, budget)
+                    if not self.kv_cache.allocate_slots(request, n, computed_blocks):
+                        break
                 self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
                 self.waiting.popleft()
                 self.running.append(request)
@@ -163,7 +154,7 @@ class Scheduler:
                     request.timing.first_scheduled = now
                     request.num_cached_tokens = num_cached
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_cached
+                request.num_computed_tokens = num_cached + remote
                 scheduled.append(ScheduledRequest(request, n))
                 budget -= n
             self.waiting.extendleft(reversed(skipped))

@@ -197,6 +197,27 @@ def create_router_app(
         return await _serve_from(pool, path, json.dumps(rest).encode(), text, headers, prefer=target.replica,
                                  on_first_byte=lambda: metrics.decode_first_byte_seconds.observe(time.monotonic() - sent))  # fmt: skip
 
+    def _next(pool: list[Replica], text: str, tried: set[str], errors: list[str], prefer: Replica | None = None) -> Choice | Response:
+        """The replica to try next (`prefer` first, where a handoff went), counted as sent
+        (a retry when one was tried before); or the 503 to answer when none is left."""
+        if prefer is not None and prefer.up and prefer.url not in tried:
+            choice = Choice(prefer, 0)
+        else:
+            choice = policy.choose(pool, text, tried)
+        if choice is None:
+            metrics.failed.inc()
+            kind = "replica" if pool[0].pool == "replica" else f"{pool[0].pool} instance"
+            why = "; ".join(errors) if errors else f"every {kind} is down"
+            return JSONResponse(error_body(f"no {kind} could serve the request: {why}", code="no_replica"), 503)
+        replica = choice.replica
+        if tried:
+            metrics.retries.inc()
+        tried.add(replica.url)
+        replica.in_flight += 1
+        replica.requests += 1
+        metrics.requests.labels(replica.url).inc()
+        return choice
+
     async def _answer_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict) -> dict | Response:
         """A whole (non-streamed) answer from some replica of `pool`, retried past failed
         instances: its JSON on 200, else the Response to give the client."""
@@ -204,18 +225,10 @@ def create_router_app(
         tried: set[str] = set()
         errors: list[str] = []
         while True:
-            choice = policy.choose(pool, text, tried)
-            if choice is None:
-                metrics.failed.inc()
-                why = "; ".join(errors) if errors else f"every {pool[0].pool} instance is down"
-                return JSONResponse(error_body(f"no {pool[0].pool} instance could serve the request: {why}", code="no_replica"), 503)
+            choice = _next(pool, text, tried, errors)
+            if isinstance(choice, Response):
+                return choice
             replica = choice.replica
-            if tried:
-                metrics.retries.inc()
-            tried.add(replica.url)
-            replica.in_flight += 1
-            replica.requests += 1
-            metrics.requests.labels(replica.url).inc()
             try:
                 r = await client.post(replica.url + path, content=body, headers=headers)
             except httpx.HTTPError as exc:
@@ -238,21 +251,10 @@ def create_router_app(
         tried: set[str] = set()
         errors: list[str] = []
         while True:
-            if prefer is not None and prefer.up and prefer.url not in tried:  # where the handoff went
-                choice = Choice(prefer, 0)
-            else:
-                choice = policy.choose(pool, text, tried)
-            if choice is None:
-                metrics.failed.inc()
-                why = "; ".join(errors) if errors else "every replica is down"
-                return JSONResponse(error_body(f"no replica could serve the request: {why}", code="no_replica"), 503)
+            choice = _next(pool, text, tried, errors, prefer)
+            if isinstance(choice, Response):
+                return choice
             replica = choice.replica
-            if tried:
-                metrics.retries.inc()
-            tried.add(replica.url)
-            replica.in_flight += 1
-            replica.requests += 1
-            metrics.requests.labels(replica.url).inc()
             try:
                 upstream = await client.send(client.build_request("POST", replica.url + path, content=body, headers=headers), stream=True)
             except httpx.HTTPError as exc:
