@@ -160,17 +160,23 @@ def _torchrun():
     return torchrun
 
 
+def _both_refuse(torchrun, tmp_path, nodes: list[tuple[str, str]]) -> str:
+    """Two torchrun "nodes", each with its (model, KV pool size): both must exit non-zero;
+    rank 0's log, which says why."""
+    rdzv, http = free_port(), free_port()
+    procs = [_torchrun_serve(torchrun, node, rdzv, http, model, tmp_path / f"node{node}.log", "--kv-cache-memory", mem)
+             for node, (model, mem) in enumerate(nodes)]  # fmt: skip
+    for p in procs:
+        p.wait(timeout=120)
+    assert all(p.returncode != 0 for p in procs)
+    return (tmp_path / "node0.log").read_text()
+
+
 def test_ranks_started_with_different_flags_refuse_to_start(tiny_model_dirs, tmp_path):
     """torchrun gives each rank its own command line: a rank whose KV pool differs from rank 0's
     makes every rank refuse, with a message naming the rank and what differs."""
     torchrun, model = _torchrun(), tiny_model_dirs["llama-8x2"]
-    rdzv, http = free_port(), free_port()
-    procs = [_torchrun_serve(torchrun, node, rdzv, http, model, tmp_path / f"node{node}.log", "--kv-cache-memory", mem)
-             for node, mem in ((0, "2MiB"), (1, "4MiB"))]  # fmt: skip
-    for p in procs:
-        p.wait(timeout=120)
-    assert all(p.returncode != 0 for p in procs)
-    log = (tmp_path / "node0.log").read_text()
+    log = _both_refuse(torchrun, tmp_path, [(model, "2MiB"), (model, "4MiB")])
     assert "rank 1 differs from rank 0 in blocks" in log, log[-3000:]
 
 
@@ -187,13 +193,7 @@ def test_ranks_given_different_model_files_refuse_to_start(tiny_model_dirs, tmp_
     data = bytearray(weights.read_bytes())
     data[-64:] = bytes(64)  # the last tensor's last values become 0.0: still a loadable file
     weights.write_bytes(bytes(data))
-    rdzv, http = free_port(), free_port()
-    procs = [_torchrun_serve(torchrun, node, rdzv, http, str(path), tmp_path / f"node{node}.log", "--kv-cache-memory", "2MiB")
-             for node, path in ((0, model), (1, copy))]  # fmt: skip
-    for p in procs:
-        p.wait(timeout=120)
-    assert all(p.returncode != 0 for p in procs)
-    log = (tmp_path / "node0.log").read_text()
+    log = _both_refuse(torchrun, tmp_path, [(model, "2MiB"), (str(copy), "2MiB")])
     assert "rank 1 differs from rank 0 in model files" in log, log[-3000:]
 
 
