@@ -12,12 +12,17 @@ Two halves, in the shape of vLLM's KV connector v1 (written anew):
 
 A prefill request (`do_remote_decode`) runs to its first token. In the forward pass that
 completes its prompt, each layer's K/V are saved as soon as that layer is done, and a
-streaming transport sends them while the next layers compute; the first token follows. A decode request (`do_remote_prefill`)
-waits, without holding blocks, until its handoff has arrived. It then takes the first
-token as its own, allocates blocks for the prompt (a local prefix-cache hit is kept, and only
-the rest is loaded), loads the KV into them and goes on decoding from position P.
+streaming transport sends them while the next layers compute; the first token follows. A
+decode request (`do_remote_prefill`) has its blocks allocated first, for every prompt position
+and the first token's (a local prefix-cache hit is kept, and only the rest is expected), and
+then waits for its KV without computing anything. A transport that receives layer by layer
+(torch.distributed) writes each layer straight into those blocks as it arrives; one that
+stages whole handoffs (shared memory) has them copied in on arrival. The blocks become
+findable by the prefix cache only once loaded. The request then takes the first token as its
+own and goes on decoding from position P.
 
-A handoff that fails or times out is handled per `failure`. `recompute`: the decode side
+A handoff that fails, times out, or that the router says will not come (`abandon`: its
+prefill failed) frees the blocks and is handled per `failure`. `recompute`: the decode side
 computes the prompt itself (the same tokens, later). `fail`: the request ends as aborted with
 the reason in `request.kv_transfer.error`, which the server answers as a 5xx.
 """
@@ -30,7 +35,8 @@ import time
 import torch
 
 from kvserve.disagg.handoff import KVHandoff
-from kvserve.disagg.transport import KVTransferError, KVTransport, check_transfer_id
+from kvserve.disagg.transport import BlockSink, KVTransferError, KVTransport, check_transfer_id
+from kvserve.engine.sampler import skip_draw
 from kvserve.errors import InvalidRequestError
 
 FAILURE_POLICIES = ("recompute", "fail")
@@ -45,8 +51,13 @@ class KVTransferParams:
     do_remote_prefill: bool = False  # this instance receives and decodes
     remote_address: str | None = None  # the decode instance's transfer address (the torch transport)
     # the receiving side's progress
-    arrived: KVHandoff | None = dataclasses.field(default=None, repr=False)
+    request_id: str = ""
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
+    allocated: bool = False  # its blocks are allocated (before anything arrives)
+    arrived: KVHandoff | None = dataclasses.field(default=None, repr=False)  # until its first token is taken
     loaded: bool = False
+    into_blocks: bool = False  # the transport wrote it straight into the blocks (no staged copy)
+    must_recompute: bool = False  # the router said no prefill instance took it: compute it here whatever the policy
     recomputed: bool = False  # the handoff failed and the prompt was computed here instead
     error: str | None = None
     since: float = dataclasses.field(default_factory=time.monotonic)
@@ -76,7 +87,7 @@ class KVTransferParams:
 
 class KVConnector:
     def __init__(self, transport: KVTransport, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None, block_size: int,
-                 failure: str = "recompute", timeout_s: float = 60.0):  # fmt: skip
+                 failure: str = "recompute", timeout_s: float = 60.0, vocab_size: int = 0):  # fmt: skip
         if failure not in FAILURE_POLICIES:
             raise ValueError(f"failure must be one of {FAILURE_POLICIES}, got {failure!r}")
         self.transport = transport
@@ -85,61 +96,99 @@ class KVConnector:
         self.block_size = block_size
         self.failure = failure
         self.timeout_s = timeout_s
+        self.vocab_size = vocab_size  # the width of a sampling draw (sampler.skip_draw)
         self._saving: dict[str, dict] = {}  # prefill requests being sent: request id -> buffer, send
+        self._loading: dict[str, BlockSink] = {}  # decode requests with blocks, waiting: request id -> where their KV goes
+        # handoffs the router says will not come (their prefill failed), kept until a request takes them:
+        # transfer id -> (why, since, whether to compute the prompt here whatever the policy)
+        self._abandoned: dict[str, tuple[str, float, bool]] = {}
         # totals, for metrics
         self.sent = self.received = self.failed = 0
         self.bytes_sent = self.bytes_received = 0
 
     # ---- the scheduler half ------------------------------------------------------------
 
+    def get_num_new_matched_tokens(self, request, num_computed: int) -> int:
+        """Positions beyond `num_computed` (the local prefix-cache hit) that arrive from
+        elsewhere for a decode request: the rest of its prompt. Its blocks for them are
+        allocated before anything arrives (`update_state_after_alloc`)."""
+        t = request.kv_transfer
+        if t is None or not t.waiting:
+            return 0
+        return request.num_prompt_tokens - num_computed
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_computed: int) -> None:
+        """The decode request's blocks are allocated: the handoff's positions [num_computed, P)
+        go into them, written by the transport as they arrive where it can, else copied in
+        once the whole handoff is here."""
+        t = request.kv_transfer
+        blocks, offsets = self._slots(block_ids, num_computed, request.num_prompt_tokens)
+        sink = BlockSink(self.kv_pool, self.kv_scales, blocks, offsets, num_computed, request.num_prompt_tokens)
+        self._loading[request.request_id] = sink
+        t.allocated = True
+        self.transport.expect(t.transfer_id, sink)
+
     def request_waits(self, request) -> bool:
-        """A decode request whose handoff has not arrived: poll once, without blocking.
-        On failure or timeout, `kv_transfer.error` is set and it no longer waits."""
+        """A decode request whose handoff is not in its blocks yet: poll once, without
+        blocking. On arrival the KV is loaded and `kv_transfer.arrived` holds the first token;
+        on failure or timeout `kv_transfer.error` says why. Either way it no longer waits."""
         t = request.kv_transfer
         if t is None or not t.waiting or t.arrived is not None:
             return False
         try:
-            handoff = self.transport.poll(t.transfer_id)
-            if handoff is None and time.monotonic() - t.since > self.timeout_s:
-                raise KVTransferError(f"handoff {t.transfer_id} did not arrive within {self.timeout_s:g} s")
+            handoff = self._poll(t)
         except KVTransferError as exc:
             t.error = str(exc)
             self.failed += 1
+            self.request_released(request)
             return False
         if handoff is None:
             return True
-        if handoff.prompt_token_ids != request.prompt_token_ids:
-            t.error = f"handoff {t.transfer_id} is for another prompt"
-            self.failed += 1
-            return False
-        if tuple(handoff.kv.shape[:2]) != tuple(self.kv_pool.shape[:2]) or handoff.kv.shape[3:] != self.kv_pool.shape[4:] \
-                or handoff.kv.dtype != self.kv_pool.dtype:  # fmt: skip
-            t.error = f"handoff {t.transfer_id} has KV of shape {tuple(handoff.kv.shape)} {handoff.kv.dtype}, not this model's"
-            self.failed += 1
-            return False
         t.arrived = handoff
+        t.loaded, t.into_blocks = True, handoff.in_blocks
+        skip_draw(request, self.vocab_size)  # the first token was drawn on the prefill side
+        self.request_released(request)
         self.received += 1
         self.bytes_received += handoff.nbytes
         return False
 
-    def get_num_new_matched_tokens(self, request, num_computed: int) -> int:
-        """Positions beyond `num_computed` (the local prefix-cache hit) that arrive from
-        elsewhere: the rest of the prompt, once the handoff is here; else 0."""
-        t = request.kv_transfer
-        if t is None or t.arrived is None or t.loaded:
-            return 0
-        remote = max(0, t.arrived.num_positions - num_computed)
-        if remote == 0:  # this instance's prefix cache holds the whole prompt: nothing to load
-            t.loaded, t.arrived = True, None
-        return remote
+    def _poll(self, t: KVTransferParams) -> KVHandoff | None:
+        abandoned = self._abandoned.pop(t.transfer_id, None)
+        if abandoned is not None:
+            t.must_recompute = abandoned[2]
+            raise KVTransferError(f"handoff {t.transfer_id} will not come: {abandoned[0]}")
+        handoff = self.transport.poll(t.transfer_id)
+        if handoff is None:
+            if time.monotonic() - t.since > self.timeout_s:
+                raise KVTransferError(f"handoff {t.transfer_id} did not arrive within {self.timeout_s:g} s")
+            return None
+        if handoff.prompt_token_ids != t.prompt_token_ids:
+            raise KVTransferError(f"handoff {t.transfer_id} is for another prompt")
+        if not handoff.in_blocks:  # staged by the transport: checked, then copied into the blocks
+            pool = self.kv_pool
+            if tuple(handoff.kv.shape[:2]) != tuple(pool.shape[:2]) or handoff.kv.shape[3:] != pool.shape[4:] \
+                    or handoff.kv.dtype != pool.dtype or (handoff.scales is None) != (self.kv_scales is None):  # fmt: skip
+                raise KVTransferError(f"handoff {t.transfer_id} has KV of shape {tuple(handoff.kv.shape)} {handoff.kv.dtype}, "
+                                      "not this model's")  # fmt: skip
+            sink = self._loading.get(t.request_id)
+            if sink is not None:
+                sink.load(handoff)
+        return handoff
 
-    def update_state_after_alloc(self, request, block_ids: list[int], num_computed: int) -> None:
-        """Blocks are allocated: load positions [num_computed, P) into them (every layer)."""
-        self.start_load_kv(request, block_ids, num_computed)
-        for layer in range(self.kv_pool.shape[1]):
-            self.wait_for_layer_load(layer)
-        request.kv_transfer.loaded = True
-        request.kv_transfer.arrived = None  # the pool has it now
+    def abandon(self, transfer_id: str, reason: str, recompute: bool = False) -> None:
+        """The handoff will not come (the router saw its prefill fail): the request waiting for
+        it stops waiting now rather than at the timeout. `recompute`: it computes its prompt
+        here whatever the failure policy (no prefill instance even tried)."""
+        now = time.monotonic()
+        for tid in [k for k, (_, since, _) in self._abandoned.items() if now - since > self.timeout_s]:
+            del self._abandoned[tid]  # for requests that never came
+        self._abandoned[check_transfer_id(transfer_id)] = (reason, now, recompute)
+
+    def request_released(self, request) -> None:
+        """The decode request's blocks no longer take its handoff (loaded, failed, finished or
+        aborted): the transport stops writing into them before they can go to another request."""
+        if self._loading.pop(request.request_id, None) is not None:
+            self.transport.unexpect(request.kv_transfer.transfer_id)
 
     def request_finished(self, request, block_ids: list[int]) -> bool:
         """A prefill request finished with its first token: its prompt's KV goes out (the
@@ -160,18 +209,6 @@ class KVConnector:
         positions = torch.arange(start, end)
         blocks = torch.tensor(block_ids, dtype=torch.long)[positions // self.block_size]
         return blocks, positions % self.block_size
-
-    def start_load_kv(self, request, block_ids: list[int], num_computed: int) -> None:
-        t = request.kv_transfer
-        self._loading = (t.arrived, *self._slots(block_ids, num_computed, t.arrived.num_positions), num_computed)
-
-    def wait_for_layer_load(self, layer: int) -> None:
-        """Layer `layer`'s K and V of the arrived positions are in the pool."""
-        handoff, blocks, offsets, start = self._loading
-        for kv in (0, 1):
-            self.kv_pool[kv, layer, blocks, offsets] = handoff.kv[kv, layer, start:]
-            if self.kv_scales is not None and handoff.scales is not None:
-                self.kv_scales[kv, layer, blocks, offsets] = handoff.scales[kv, layer, start:]
 
     def start_save(self, request, block_ids: list[int]) -> None:
         """Before the forward pass that computes the rest of a prefill request's prompt: a

@@ -19,17 +19,27 @@ from safetensors.torch import save as st_save
 class KVHandoff:
     prompt_token_ids: list[int]
     first_token: int
-    kv: torch.Tensor  # [2, L, P, N_kv, H]: K then V of every layer, positions 0..P-1
+    # [2, L, P, N_kv, H]: K then V of every layer, positions 0..P-1. None when the transport
+    # wrote them straight into the receiving request's blocks (`written_bytes` of them).
+    kv: torch.Tensor | None
     scales: torch.Tensor | None = None  # [2, L, P, N_kv] fp32 beside int8 K/V
     first_logprobs: dict[int, float] | None = None  # the first token's top logprobs, when asked
     first_logprob: float = 0.0  # the sampled token's own logprob (0 when not asked)
+    written_bytes: int = 0
+
+    @property
+    def in_blocks(self) -> bool:
+        """Whether the K/V are already in the receiving request's blocks."""
+        return self.kv is None
 
     @property
     def num_positions(self) -> int:
-        return self.kv.shape[2]
+        return len(self.prompt_token_ids) if self.kv is None else self.kv.shape[2]
 
     @property
     def nbytes(self) -> int:
+        if self.kv is None:
+            return self.written_bytes
         return self.kv.numel() * self.kv.element_size() + (0 if self.scales is None else self.scales.numel() * 4)
 
     def to_bytes(self) -> bytes:

@@ -8,20 +8,23 @@ rank 1 the prefill instance. No process-wide `init_process_group` is involved, s
 number of pairs coexist with each other and with tensor parallelism's own group.
 
 Per handoff, over the pair's group, in order:
-1. a header, int64 [8]: layers, positions, KV heads, head size, dtype code, whether int8 scales follow;
+1. a header, int64 [8]: layers, positions, KV heads, head size, dtype code, whether int8 scales
+   follow, the transfer id's length; then the transfer id (UTF-8);
 2. each layer's K and V, [2, P, N_kv, H] (and its scales), one message a layer, sent while
    the prefill computes the next layers (`open_send`: the connector hands each layer over as
    soon as it has run);
-3. the metadata's length, then the metadata as UTF-8 JSON: the transfer id, prompt, first
-   token and logprobs, known only once the last layer has run and the token is sampled.
+3. the metadata's length, then the metadata as UTF-8 JSON: the prompt, first token and
+   logprobs, known only once the last layer has run and the token is sampled.
 
 A pair's sending thread sends its queued handoffs one after another, so the layers of two
 never interleave.
 
-The decode instance's receiver thread for the pair stores each handoff by transfer id, and
-`poll` takes it from there. A pair whose peer dies fails its next send or receive, and is
-dropped: the sender raises KVTransferError (so the prefill answer reports it), and the
-waiting decode request times out into its failure policy.
+The decode instance's receiver thread for the pair reads the transfer id first. If a request
+there expects it (`expect`: its blocks are allocated), each layer is written straight into
+those blocks as it arrives; otherwise the handoff is staged whole and copied in when the
+request takes it. `poll` then gives it by transfer id. A pair whose peer dies mid-handoff
+fails that handoff at once (its request's failure policy applies), and the pair is dropped;
+the sender raises KVTransferError (so the prefill answer reports it).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class TorchDistributedTransport(KVTransport):
     def __init__(self, listen: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self._connect_timeout = datetime.timedelta(seconds=connect_timeout_s)
         self._arrived: dict[str, KVHandoff] = {}
+        self._broken: dict[str, str] = {}  # handoffs whose pair broke mid-way: transfer id -> why
+        self._sinks: dict = {}  # transfer id -> the BlockSink of the request expecting it
         self._failed_pairs = 0
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}  # sending side: address -> its pair
@@ -112,51 +117,85 @@ class TorchDistributedTransport(KVTransport):
                     time.sleep(0.005)
                     continue
                 received += 1
-                handoff, transfer_id = self._receive_one(group)
-                if handoff is not None:  # (None: the prefill request was aborted mid-send)
-                    with self._lock:
-                        self._arrived[transfer_id] = handoff
+                self._receive_one(group)
         except Exception as exc:  # the sender went away: this pair is over
             if not self._closed:
                 logger.info("KV transfer pair %d ended: %s", pair, exc)
                 self._failed_pairs += 1
 
-    @staticmethod
-    def _receive_one(group) -> tuple[KVHandoff | None, str]:
+    def _receive_one(self, group) -> None:
         header = torch.empty(8, dtype=torch.int64)
         group.recv([header], 1, 0).wait()
-        layers, positions, kv_heads, head_dim, dtype_code, has_scales, _, _ = header.tolist()
-        kv = torch.empty((2, layers, positions, kv_heads, head_dim), dtype=_DTYPES[dtype_code])
-        scales = torch.empty((2, layers, positions, kv_heads), dtype=torch.float32) if has_scales else None
-        for layer in range(layers):  # one message a layer, sent as the prefill computed them
-            part = torch.empty((2, positions, kv_heads, head_dim), dtype=kv.dtype)
-            group.recv([part], 1, 0).wait()
-            kv[:, layer] = part
-            if scales is not None:
-                s = torch.empty((2, positions, kv_heads), dtype=torch.float32)
-                group.recv([s], 1, 0).wait()
-                scales[:, layer] = s
-        meta_len = torch.empty(1, dtype=torch.int64)
-        group.recv([meta_len], 1, 0).wait()
-        meta_bytes = torch.empty(int(meta_len), dtype=torch.uint8)
-        group.recv([meta_bytes], 1, 0).wait()
+        layers, positions, kv_heads, head_dim, dtype_code, has_scales, id_len, _ = header.tolist()
+        dtype = _DTYPES[dtype_code]
+        raw_id = torch.empty(id_len, dtype=torch.uint8)
+        group.recv([raw_id], 1, 0).wait()
+        transfer_id = bytes(raw_id.numpy()).decode()
+        with self._lock:
+            sink = self._sinks.get(transfer_id)
+        if sink is not None and not sink.accepts(layers, positions, kv_heads, head_dim, dtype, bool(has_scales)):
+            sink = None  # staged instead: the connector's check names the mismatch
+        kv = None if sink is not None else torch.empty((2, layers, positions, kv_heads, head_dim), dtype=dtype)
+        scales = torch.empty((2, layers, positions, kv_heads), dtype=torch.float32) if has_scales and sink is None else None
+        part = torch.empty((2, positions, kv_heads, head_dim), dtype=dtype)
+        part_scales = torch.empty((2, positions, kv_heads), dtype=torch.float32) if has_scales else None
+        try:
+            for layer in range(layers):  # one message a layer, sent as the prefill computed them
+                group.recv([part], 1, 0).wait()
+                if part_scales is not None:
+                    group.recv([part_scales], 1, 0).wait()
+                if sink is None:
+                    kv[:, layer] = part
+                    if scales is not None:
+                        scales[:, layer] = part_scales
+                    continue
+                with self._lock:  # into the request's blocks, unless it let them go meanwhile
+                    if self._sinks.get(transfer_id) is sink:
+                        sink.write_layer(layer, part, part_scales)
+            meta_len = torch.empty(1, dtype=torch.int64)
+            group.recv([meta_len], 1, 0).wait()
+            meta_bytes = torch.empty(int(meta_len), dtype=torch.uint8)
+            group.recv([meta_bytes], 1, 0).wait()
+        except Exception as exc:  # the sender died mid-handoff: its request need not wait out the timeout
+            with self._lock:
+                self._broken[transfer_id] = f"{type(exc).__name__}: {exc}"
+            raise
         meta = json.loads(bytes(meta_bytes.numpy()).decode())
-        if meta.get("cancelled"):
-            return None, meta["transfer_id"]
+        if meta.get("cancelled"):  # the prefill request was aborted mid-send
+            with self._lock:
+                self._broken[transfer_id] = "the prefill request was aborted"
+            return
         logprobs = meta["first_logprobs"]
-        return KVHandoff(
+        handoff = KVHandoff(
             prompt_token_ids=meta["prompt_token_ids"], first_token=meta["first_token"], kv=kv, scales=scales,
             first_logprobs=None if logprobs is None else {int(k): float(v) for k, v in logprobs.items()},
             first_logprob=meta["first_logprob"],
-        ), meta["transfer_id"]  # fmt: skip
+            written_bytes=layers * (part.numel() * part.element_size() + (0 if part_scales is None else part_scales.numel() * 4)),
+        )  # fmt: skip
+        with self._lock:
+            if kv is None and self._sinks.get(transfer_id) is not sink:
+                return  # its request let the blocks go (aborted or failed) before the end: nobody takes it
+            self._arrived[transfer_id] = handoff
 
     def poll(self, transfer_id: str) -> KVHandoff | None:
         with self._lock:
+            broken = self._broken.pop(transfer_id, None)
+            if broken is not None:
+                raise KVTransferError(f"handoff {transfer_id} broke off: {broken}")
             return self._arrived.pop(transfer_id, None)
 
     def discard(self, transfer_id: str) -> None:
         with self._lock:
             self._arrived.pop(transfer_id, None)
+            self._broken.pop(transfer_id, None)
+
+    def expect(self, transfer_id: str, sink) -> None:
+        with self._lock:
+            self._sinks[transfer_id] = sink
+
+    def unexpect(self, transfer_id: str) -> None:
+        with self._lock:  # a layer being written finishes first; none follows
+            self._sinks.pop(transfer_id, None)
 
     # ---- sending (the prefill side) -----------------------------------------------------
 
@@ -261,8 +300,10 @@ class _StreamedSend(OutgoingHandoff):
         self.done = threading.Event()
         self.error: Exception | None = None
         self.queued: set[int] = set()
+        raw_id = transfer_id.encode()
         self.messages.put(torch.tensor([kv.shape[1], kv.shape[2], kv.shape[3], kv.shape[4], _DTYPES.index(kv.dtype),
-                                        int(scales is not None), 0, 0], dtype=torch.int64))  # fmt: skip
+                                        int(scales is not None), len(raw_id), 0], dtype=torch.int64))  # fmt: skip
+        self.messages.put(torch.frombuffer(bytearray(raw_id), dtype=torch.uint8))
         pair.jobs.put(self)
 
     def fail(self, exc: Exception) -> None:

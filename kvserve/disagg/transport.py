@@ -4,7 +4,12 @@
   under /dev/shm (written under a temporary name, then renamed, so a reader never sees half
   of one); the receiver polls for it, reads it and removes it. The write is the
   acknowledgement: once `send` returns, the prefill side may free its blocks.
-- `FaultyTransport`: wraps another and fails or stalls on demand, for the fault tests.
+- `FaultyTransport`: wraps another and fails or stalls on demand, for the fault tests (in a
+  server process, KVSERVE_TEST_KV_STALL_S stalls every arriving handoff).
+
+A decode request's blocks are allocated before its handoff arrives: `expect` gives the
+transport a `BlockSink` for them, so one that receives layer by layer writes straight into
+the blocks; `unexpect` stops that before the blocks can go to another request.
 
 Transfer ids name files, so they are checked: letters, digits, '-' and '_'.
 """
@@ -21,6 +26,8 @@ from kvserve.disagg.handoff import KVHandoff
 from kvserve.errors import InvalidRequestError
 
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# seconds every arriving handoff is held back, in a whole server process (FaultyTransport's stall)
+KV_STALL_ENV = "KVSERVE_TEST_KV_STALL_S"
 
 
 class KVTransferError(RuntimeError):
@@ -73,6 +80,43 @@ class KVTransport:
     def discard(self, transfer_id: str) -> None:
         """Forget a handoff nobody will take (its request was aborted)."""
 
+    def expect(self, transfer_id: str, sink: "BlockSink") -> None:
+        """The receiving request's blocks are allocated: a transport that receives layer by
+        layer may write the handoff straight into them through `sink`. This default stages
+        the whole handoff and the connector copies it in once it has arrived."""
+
+    def unexpect(self, transfer_id: str) -> None:
+        """The request no longer takes its handoff into those blocks (it was loaded, failed or
+        aborted): once this returns, nothing more is written into them."""
+
+
+class BlockSink:
+    """Where one expected handoff's K/V go: the receiving request's blocks, for the positions
+    its local prefix-cache hit does not already hold. The transport checks `accepts` on the
+    handoff's header, then calls `write_layer` for each layer as it arrives."""
+
+    def __init__(self, kv_pool, kv_scales, blocks, offsets, start: int, num_positions: int):
+        self.kv_pool, self.kv_scales = kv_pool, kv_scales  # [2, L, blocks, block_size, N_kv, H], [2, L, blocks, block_size, N_kv]
+        self.blocks, self.offsets = blocks, offsets  # the slots of positions start..P-1
+        self.start, self.num_positions = start, num_positions
+
+    def accepts(self, layers: int, positions: int, kv_heads: int, head_dim: int, dtype, has_scales: bool) -> bool:
+        pool = self.kv_pool
+        return (layers, positions, kv_heads, head_dim, dtype) == (pool.shape[1], self.num_positions, pool.shape[4], pool.shape[5],
+                                                                   pool.dtype) and has_scales == (self.kv_scales is not None)  # fmt: skip
+
+    def write_layer(self, layer: int, kv, scales=None) -> None:
+        """K and V of every prompt position for `layer` ([2, P, N_kv, H], scales [2, P, N_kv])."""
+        for i in (0, 1):
+            self.kv_pool[i, layer, self.blocks, self.offsets] = kv[i, self.start :]
+            if scales is not None:
+                self.kv_scales[i, layer, self.blocks, self.offsets] = scales[i, self.start :]
+
+    def load(self, handoff: KVHandoff) -> None:
+        """A staged handoff, every layer at once."""
+        for layer in range(handoff.kv.shape[1]):
+            self.write_layer(layer, handoff.kv[:, layer], None if handoff.scales is None else handoff.scales[:, layer])
+
 
 class SharedMemoryTransport(KVTransport):
     name = "shm"
@@ -116,6 +160,14 @@ class FaultyTransport(KVTransport):
         self.name = f"faulty({inner.name})"
         self._first_poll: dict[str, float] = {}
 
+    @property
+    def address(self) -> str | None:
+        return self.inner.address
+
+    def close(self) -> None:
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+
     def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
         if self.fail_send:
             raise KVTransferError(f"handoff {transfer_id}: the test transport failed the send")
@@ -131,3 +183,9 @@ class FaultyTransport(KVTransport):
 
     def discard(self, transfer_id: str) -> None:
         self.inner.discard(transfer_id)
+
+    def expect(self, transfer_id: str, sink: BlockSink) -> None:
+        self.inner.expect(transfer_id, sink)
+
+    def unexpect(self, transfer_id: str) -> None:
+        self.inner.unexpect(transfer_id)

@@ -287,6 +287,10 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
+    def abandon_handoff(self, transfer_id: str, reason: str, recompute: bool) -> None:
+        """A decode request's handoff will not come (LLMEngine.abandon_handoff), applied on the engine thread."""
+        self._submit(("abandon", transfer_id, reason, recompute))
+
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to `drain_timeout_s`, abort the rest.
         A request that has produced nothing yet fails with EngineDeadError (a 503), not an abort."""
@@ -356,6 +360,8 @@ class AsyncLLMEngine:
                 out = self.engine.abort_request(command[1])
                 if out is not None:
                     self._deliver(out)
+            elif kind == "abandon":
+                self.engine.abandon_handoff(*command[1:])
             elif kind == "shutdown_abort":
                 self._shutdown_abort(command[1])
             elif kind == "stop":

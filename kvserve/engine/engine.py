@@ -22,7 +22,7 @@ import torch
 from kvserve.attention.cascade import SharedPrefixRule
 from kvserve.config import EngineConfig
 from kvserve.disagg.connector import KVConnector, KVTransferParams
-from kvserve.disagg.transport import SharedMemoryTransport
+from kvserve.disagg.transport import KV_STALL_ENV, FaultyTransport, SharedMemoryTransport
 from kvserve.distributed.fingerprint import model_fingerprint
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.distributed.launch import launched_by_torchrun, start_local_ranks
@@ -242,7 +242,7 @@ class LLMEngine:
         if self.tp is None:  # a handoff moves one process's pools (not yet a tensor-parallel group's)
             self.connector = KVConnector(
                 self._kv_transport(config), self.runner.kv_pool, self.runner.kv_scales, config.block_size,
-                config.kv_transfer_failure, config.kv_transfer_timeout_s,
+                config.kv_transfer_failure, config.kv_transfer_timeout_s, arch.vocab_size,
             )  # fmt: skip
             self.scheduler.connector = self.connector
         if self.tp is not None:
@@ -256,15 +256,20 @@ class LLMEngine:
     @staticmethod
     def _kv_transport(config: EngineConfig):
         """How this instance's handoffs travel: /dev/shm files, or torch.distributed point to
-        point (a decode instance listens, at kv_transfer_listen or any free loopback port)."""
+        point (a decode instance listens, at kv_transfer_listen or any free loopback port).
+        KVSERVE_TEST_KV_STALL_S delays every arriving handoff by that many seconds (the
+        failing/stalling test transport, for tests of whole server processes)."""
         if config.kv_transport == "torch":
             from kvserve.disagg.torch_transport import TorchDistributedTransport
 
             listen = config.kv_transfer_listen
             if listen is None and config.kv_role != "prefill":
                 listen = "127.0.0.1:0"
-            return TorchDistributedTransport(listen)
-        return SharedMemoryTransport()
+            transport = TorchDistributedTransport(listen)
+        else:
+            transport = SharedMemoryTransport()
+        stall = float(os.environ.get(KV_STALL_ENV) or 0)
+        return FaultyTransport(transport, stall_s=stall) if stall > 0 else transport
 
     # ---- tensor parallelism: the ranks -------------------------------------------------
 
@@ -393,7 +398,9 @@ class LLMEngine:
             if grammar is not None:  # each sample walks the grammar on its own
                 child.structured = grammar.new_matcher()
             self._children[child.request_id] = parent
-            child.kv_transfer = kv_transfer
+            if kv_transfer is not None and child.leader is None:  # the first sample takes the handoff; the others its prefix
+                kv_transfer.request_id, kv_transfer.prompt_token_ids = child.request_id, prompt_ids
+                child.kv_transfer = kv_transfer
             self.scheduler.add_request(child)
         self.counters.prompt_tokens += len(prompt_ids)
         return request_id
@@ -411,8 +418,8 @@ class LLMEngine:
         if kv_transfer.do_remote_prefill and role == "prefill":
             raise InvalidRequestError("kv_transfer_params: this is a prefill instance (--role prefill); it does not receive KV",
                                       "kv_transfer_params")  # fmt: skip
-        if params.n != 1:
-            raise InvalidRequestError("kv_transfer_params: a handoff carries one sample (n = 1)", "n")
+        if params.n != 1 and kv_transfer.do_remote_decode:
+            raise InvalidRequestError("kv_transfer_params: a prefill for a handoff samples one first token (n = 1)", "n")
         if kv_transfer.do_remote_decode:  # the first token, then the decode side goes on
             params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
         return kv_transfer, params
@@ -443,6 +450,14 @@ class LLMEngine:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
                 self.counters.finished["abort"] += 1
         return self._emit(parent)
+
+    def abandon_handoff(self, transfer_id: str, reason: str, recompute: bool = False) -> None:
+        """A decode request's handoff will not come (the router saw its prefill fail): it stops
+        waiting at its next step, and computes its prompt here (`recompute`, or the failure
+        policy says so) or ends with the reason."""
+        if self.connector is None:
+            raise InvalidRequestError("this instance takes no KV handoffs (tensor parallelism)", "transfer_id")
+        self.connector.abandon(transfer_id, reason, recompute)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (and nothing done) while requests hold blocks."""
@@ -579,7 +594,8 @@ class LLMEngine:
             return {"do_remote_prefill": True, "transfer_id": t.transfer_id, "num_positions": request.num_prompt_tokens,
                     "bytes": t.sent_bytes, "seconds": t.send_seconds, "seconds_after_first_token": t.finish_wait_seconds,
                     "transport": self.connector.transport.name, "error": t.error}  # fmt: skip
-        return {"transfer_id": t.transfer_id, "loaded": t.loaded, "recomputed": t.recomputed, "error": t.error}
+        return {"transfer_id": t.transfer_id, "loaded": t.loaded, "into_blocks": t.into_blocks, "recomputed": t.recomputed,
+                "error": t.error}  # fmt: skip
 
     # ---- introspection -------------------------------------------------------------------
 

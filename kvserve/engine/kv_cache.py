@@ -57,8 +57,10 @@ class KVCacheManager:
             self.prefix_queries += num_queried_tokens
             self.prefix_hits += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()) -> bool:
-        """Make room for `num_new_tokens` beyond what is computed (after `computed_blocks`)."""
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), cache: bool = True) -> bool:
+        """Make room for `num_new_tokens` beyond what is computed (after `computed_blocks`).
+        `cache=False`: the full blocks are not findable yet (their KV arrives later, from
+        another instance); `cache_loaded` makes them so once it is there."""
         blocks = self._req_blocks.setdefault(request.request_id, [])
         num_total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_needed = -(-num_total // self.block_size) - len(blocks) - len(computed_blocks)
@@ -73,9 +75,15 @@ class KVCacheManager:
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
         self._num_hashed_blocks.setdefault(request.request_id, len(computed_blocks))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(request, blocks, num_total)
         return True
+
+    def cache_loaded(self, request: Request, num_tokens: int) -> None:
+        """The KV of the request's first `num_tokens` positions has been loaded into its blocks:
+        their full blocks become findable (those allocated with `cache=False`)."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, self._req_blocks[request.request_id], num_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # Blocks whose every token is computed by the end of this step become findable. A

@@ -102,6 +102,13 @@ def _outside_top_k_top_p(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch
     return remove
 
 
+def skip_draw(request: Request, vocab_size: int) -> None:
+    """A token this request drew elsewhere (a prefill instance, from the same seed): its
+    generator moves past that draw, so its next draws are the ones a single instance makes."""
+    if request.generator is not None and not request.sampling_params.greedy:
+        torch.empty(vocab_size).exponential_(generator=request.generator)
+
+
 def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """argmax(p / q) with q ~ Exp(1) is a draw from p (the exponential-race trick)."""
     q = torch.empty_like(probs)

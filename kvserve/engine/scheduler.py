@@ -131,60 +131,89 @@ class Scheduler:
                 if not request.is_ready():
                     skipped.append(self.waiting.popleft())
                     continue
-                if request.kv_transfer is not None and self._handoff_pending(request, now, arrived):
-                    skipped.append(self.waiting.popleft())
-                    continue
-                if request.is_finished:  # its first token ended it, or its handoff failed: finish() dequeued it
-                    continue
+                if self._receives_kv(request):
+                    state = self._receive(request, now, arrived)
+                    if state == "no room":
+                        break
+                    if state == "waits":
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    if state == "finished":  # its first token ended it, or its handoff failed: finish() dequeued it
+                        continue
+                    if state == "loaded":  # the prompt's KV is in its blocks: compute the first token's position
+                        self._admit(request, now, request.num_prompt_tokens, 1, scheduled)
+                        budget -= 1
+                        continue
+                    # "recompute": an ordinary request from here
                 computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-                remote = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
-                if remote:  # the prompt's KV is here: load it, and compute only the next position
-                    if not self.kv_cache.allocate_slots(request, remote + 1, computed_blocks):
-                        break
-                    self.connector.update_state_after_alloc(request, self.kv_cache.block_ids(request.request_id), num_cached)
-                    n = 1
-                else:
-                    n = self._chunk(request, num_cached, budget)
-                    if not self.kv_cache.allocate_slots(request, n, computed_blocks):
-                        break
+                n = self._chunk(request, num_cached, budget)
+                if not self.kv_cache.allocate_slots(request, n, computed_blocks):
+                    break
                 self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
-                self.waiting.popleft()
-                self.running.append(request)
                 if request.timing.first_scheduled is None:
-                    request.timing.first_scheduled = now
                     request.num_cached_tokens = num_cached
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_cached + remote
-                scheduled.append(ScheduledRequest(request, n))
+                self._admit(request, now, num_cached, n, scheduled)
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
         block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in scheduled}
         kv_ranks = self.kv_cache.ranks_of([s.request.request_id for s in scheduled])
         return SchedulerOutput(scheduled, block_tables, preempted, kv_ranks, arrived)
 
-    def _handoff_pending(self, request: Request, now: float, arrived: list[Request]) -> bool:
-        """A decode request of a disaggregated pair: whether it still waits for its KV. When
-        the handoff arrives, its first token is taken (which may finish it); when it failed,
-        the connector's policy decides: compute the prompt here, or end the request."""
+    def _admit(self, request: Request, now: float, num_computed: int, n: int, scheduled: list[ScheduledRequest]) -> None:
+        """The head of `waiting` runs from this step, computing n positions from num_computed."""
+        self.waiting.popleft()
+        self.running.append(request)
+        if request.timing.first_scheduled is None:
+            request.timing.first_scheduled = now
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        scheduled.append(ScheduledRequest(request, n))
+
+    def _receives_kv(self, request: Request) -> bool:
+        """A decode request of a disaggregated pair whose KV has not arrived (nor failed into
+        computing the prompt here)."""
         t = request.kv_transfer
-        if not t.do_remote_prefill or t.loaded or t.recomputed or request.output_token_ids:
-            return False
+        return t is not None and t.do_remote_prefill and not (t.loaded or t.recomputed) and not request.output_token_ids
+
+    def _receive(self, request: Request, now: float, arrived: list[Request]) -> str:
+        """A decode request waiting for its KV. First its blocks are allocated, every prompt
+        position's and the first token's, before anything arrives (a local prefix-cache hit is
+        kept; the rest stays unfindable until loaded). Then each step polls: `waits` while the
+        handoff is on its way; `loaded` once it is in the blocks and its first token taken;
+        `finished` when that token ended it or the handoff failed under the `fail` policy;
+        `recompute` when it failed and the prompt is computed here; `no room` when the blocks
+        could not be had (it waits its turn like any request)."""
+        t = request.kv_transfer
+        if not t.allocated:
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            remote = self.connector.get_num_new_matched_tokens(request, num_cached)
+            if not self.kv_cache.allocate_slots(request, remote + 1, computed_blocks, cache=False):
+                return "no room"
+            self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
+            request.num_cached_tokens = num_cached
+            self.connector.update_state_after_alloc(request, self.kv_cache.block_ids(request.request_id), num_cached)
         if self.connector.request_waits(request):
-            return True
+            return "waits"
         if t.error is not None:
-            if self.connector.failure == "recompute":
-                t.recomputed = True  # an ordinary request from here: its prompt is computed here
-                return False
+            self.kv_cache.free(request)  # what arrived, if anything, nobody could find: it goes
+            if self.connector.failure == "recompute" or t.must_recompute:
+                t.recomputed = True
+                return "recompute"
+            for other in [r for r in self.waiting if r.leader is request]:  # its other samples (n > 1) end with it
+                self.finish(other, RequestStatus.FINISHED_ABORTED)
+                arrived.append(other)
             self.finish(request, RequestStatus.FINISHED_ABORTED)
             arrived.append(request)
-            return False
-        handoff = t.arrived
+            return "finished"
+        handoff, t.arrived = t.arrived, None  # the pool has its KV now
+        self.kv_cache.cache_loaded(request, request.num_prompt_tokens)
         stop = self._take_token(request, handoff.first_token, handoff.first_logprobs, handoff.first_logprob, now)
         arrived.append(request)
         if stop is not None:
             status, request.stop_reason = stop
             self.finish(request, status)
-        return False
+            return "finished"
+        return "loaded"
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampler_output: SamplerOutput | None) -> StepUpdate:
         """Apply what one step did to its requests: every scheduled request's positions are
@@ -258,4 +287,6 @@ class Scheduler:
                 pass
         request.status = status
         request.timing.finished = time.monotonic()
+        if request.kv_transfer is not None and self.connector is not None:
+            self.connector.request_released(request)  # before its blocks can go to anyone else
         self.kv_cache.free(request)

@@ -26,7 +26,9 @@ from kvserve.server.lifecycle import ClientDisconnected
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.middleware import APIKeyAuth, JSONBodiesOnly, MaxBodySize
 from kvserve.server.playground import install_playground
+from kvserve.disagg.transport import check_transfer_id
 from kvserve.server.protocol import (
+    AbandonHandoffRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -99,6 +101,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
             transport = engine.connector.transport
             body["kv_transfer"] = {"role": engine.config.kv_role, "transport": transport.name, "address": transport.address}
         return JSONResponse(body)
+
+    @app.post("/v1/kv_transfer/abandon")
+    async def abandon_handoff(raw: Request) -> dict:
+        """A router saw a handoff's prefill fail: the decode request waiting for it stops
+        waiting now, not at --kv-transfer-timeout (disagg/connector.py `abandon`)."""
+        body = await _parse(raw, AbandonHandoffRequest)
+        engine = ctx.engine.engine
+        if engine.connector is None or engine.config.kv_role == "prefill":
+            raise APIError(400, "this instance receives no KV handoffs", param="transfer_id")
+        check_transfer_id(body.transfer_id)
+        ctx.engine.abandon_handoff(body.transfer_id, body.reason, body.recompute)
+        return {"transfer_id": body.transfer_id, "abandoned": True}
 
     @app.get("/metrics")
     async def metrics() -> Response:

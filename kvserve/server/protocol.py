@@ -130,6 +130,14 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
+class AbandonHandoffRequest(_Request):
+    """POST /v1/kv_transfer/abandon: a router's word that a handoff will not come."""
+
+    transfer_id: str
+    reason: str = "the prefill instance failed"
+    recompute: bool = False  # compute the prompt here whatever --kv-transfer-failure says (no prefill instance tried)
+
+
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]

@@ -5,6 +5,7 @@ recompute or fail as configured, and no block leaks on either side."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -69,6 +70,32 @@ def test_tokens_equal_one_colocated_engine(tiny_llama, logprobs):
     assert prefill.kv_cache.num_free_blocks() == prefill.kv_cache.num_blocks  # freed, its prompts kept as prefix cache
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3),
+                                    SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, n=3)], ids=["greedy", "seeded"])
+def test_n_samples_start_from_one_handoff(tiny_llama, params):
+    """n > 1 on the decode side: the first sample takes the handoff (and the prefill side's
+    first token, sampled as one sample), the others start from its loaded prompt blocks and
+    sample their own first tokens; the same samples as a colocated engine's."""
+    want = _run(_engine(tiny_llama, "both"), [("x", PROMPTS[0], params, None)])["x"]
+    prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode")
+    tid = f"n-{next(_ids)}"
+    _run(prefill, [("p", PROMPTS[0], dataclasses.replace(params, n=1), {"do_remote_decode": True, "transfer_id": tid})])
+    got = _run(decode, [("d", PROMPTS[0], params, {"do_remote_prefill": True, "transfer_id": tid})])["d"]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert got.kv_transfer_params["loaded"] and decode.counters.computed_tokens < 2 * len(PROMPTS[0])
+    _idle(decode)
+
+
+def test_a_failed_handoff_under_fail_ends_every_sample(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2)
+    decode = _engine(tiny_llama, "decode", kv_transfer_failure="fail")
+    decode.add_request("d", PROMPTS[1], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "never-n"})
+    decode.abandon_handoff("never-n", "the prefill instance answered 500")
+    done = _run(decode, [])
+    assert [o.finish_reason for o in done["d"].outputs] == ["abort", "abort"] and decode.counters.computed_tokens == 0
+    _idle(decode)
+
+
 def test_a_decode_side_prefix_hit_is_kept_and_only_the_rest_loaded(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode")
@@ -104,7 +131,7 @@ def test_a_failed_handoff_recomputes_or_fails_as_configured(tiny_llama, failure)
     prefill.connector.transport.discard(out.kv_transfer_params["transfer_id"])
 
 
-def test_a_handoff_that_never_comes_times_out_without_holding_blocks(tiny_llama):
+def test_a_handoff_that_never_comes_times_out_and_frees_its_blocks(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     decode = _engine(tiny_llama, "decode", kv_transfer_failure="fail", kv_transfer_timeout_s=0.5)
     decode.add_request("lost", PROMPTS[0], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "never-sent"})
@@ -113,6 +140,59 @@ def test_a_handoff_that_never_comes_times_out_without_holding_blocks(tiny_llama)
     assert done["other"].timings[0].finished < done["lost"].timings[0].finished  # others ran while it waited
     assert "did not arrive within 0.5 s" in done["lost"].kv_transfer_params["error"]
     assert done["lost"].outputs[0].finish_reason == "abort"
+    _idle(decode)
+
+
+def _waiting_for_kv(decode, rid, prompt, params, tid):
+    """A decode request added before its handoff exists, stepped once: its blocks are allocated."""
+    decode.add_request(rid, prompt, params, kv_transfer={"do_remote_prefill": True, "transfer_id": tid})
+    decode.step()
+    request = decode.scheduler.waiting[0]
+    assert request.request_id == rid and request.kv_transfer.allocated
+    return request
+
+
+def test_blocks_are_allocated_before_the_handoff_and_findable_only_once_loaded(tiny_llama):
+    """The decode side holds every prompt position's block (and the first token's) while it
+    waits, computes nothing, and its blocks join the prefix cache only once the KV is in them."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = _run(_engine(tiny_llama, "both"), [("x", PROMPTS[0], params, None)])["x"].outputs[0].token_ids
+    prefill, decode = _engine(tiny_llama, "prefill"), _engine(tiny_llama, "decode")
+    tid = f"early-{next(_ids)}"
+    request = _waiting_for_kv(decode, "d", PROMPTS[0], params, tid)
+    held = decode.kv_cache.num_blocks - decode.kv_cache.num_free_blocks()
+    assert held == -(-(len(PROMPTS[0]) + 1) // 4) and decode.counters.computed_tokens == 0
+    assert all(decode.kv_cache.pool.get_cached_block(h) is None for h in request.block_hashes)  # not loaded: nobody finds them
+    _run(prefill, [("p", PROMPTS[0], params, {"do_remote_decode": True, "transfer_id": tid})])
+    done = _run(decode, [])
+    assert done["d"].outputs[0].token_ids == want and done["d"].kv_transfer_params["loaded"]
+    assert decode.counters.computed_tokens == len(want) - 1  # the prompt came whole: only decode steps ran here
+    hashes = request.block_hashes[: len(PROMPTS[0]) // 4]
+    assert all(decode.kv_cache.pool.get_cached_block(h) is not None for h in hashes)  # loaded: a later prompt hits them
+    _idle(decode)
+
+
+@pytest.mark.parametrize("failure", ["recompute", "fail"])
+def test_an_abandoned_handoff_stops_waiting_at_once(tiny_llama, failure):
+    """The router's word that a handoff will not come (its prefill failed): the waiting request
+    frees its blocks and follows the failure policy, long before the timeout; `recompute=True`
+    (no prefill instance tried) computes it here whatever the policy."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = _run(_engine(tiny_llama, "both"), [("x", PROMPTS[1], params, None)])["x"].outputs[0].token_ids
+    decode = _engine(tiny_llama, "decode", kv_transfer_failure=failure, kv_transfer_timeout_s=60)
+    _waiting_for_kv(decode, "a", PROMPTS[1], params, "gone-a")
+    decode.abandon_handoff("gone-a", "the prefill instance answered 500")
+    decode.abandon_handoff("gone-b", "no prefill instance is up", recompute=True)  # before its request even arrives
+    decode.add_request("b", PROMPTS[1], params, kv_transfer={"do_remote_prefill": True, "transfer_id": "gone-b"})
+    start = time.monotonic()
+    done = _run(decode, [])
+    assert time.monotonic() - start < 30
+    assert "will not come: the prefill instance answered 500" in done["a"].kv_transfer_params["error"]
+    if failure == "recompute":
+        assert done["a"].outputs[0].token_ids == want and done["a"].kv_transfer_params["recomputed"]
+    else:
+        assert done["a"].outputs[0].finish_reason == "abort"
+    assert done["b"].outputs[0].token_ids == want and done["b"].kv_transfer_params["recomputed"]
     _idle(decode)
 
 
@@ -155,6 +235,27 @@ def test_the_torch_distributed_transport_between_two_engines(tiny_llama):
         assert rest["d"].kv_transfer_params["loaded"]
         assert rest["d"].outputs[0].token_ids == want[str(i)].outputs[0].token_ids
     assert len(prefill.connector.transport._pairs) == 1  # one pair, kept
+    _idle(decode)
+
+
+def test_the_torch_transport_writes_layers_straight_into_the_allocated_blocks(tiny_llama):
+    """A decode request waiting first (blocks allocated): each layer arrives into its blocks,
+    nothing staged; an aborted waiting request lets its blocks go before anything is written."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = _run(_engine(tiny_llama, "both"), [("x", PROMPTS[0], params, None)])["x"].outputs[0].token_ids
+    decode = _engine(tiny_llama, "decode", kv_transport="torch")
+    prefill = _engine(tiny_llama, "prefill", kv_transport="torch")
+    address = decode.connector.transport.address
+    tid = f"torch-{next(_ids)}"
+    _waiting_for_kv(decode, "d", PROMPTS[0], params, tid)
+    assert tid in decode.connector.transport._sinks
+    _run(prefill, [("p", PROMPTS[0], params, {"do_remote_decode": True, "transfer_id": tid, "remote_address": address})])
+    done = _run(decode, [])
+    assert done["d"].kv_transfer_params["into_blocks"] and done["d"].outputs[0].token_ids == want
+    assert not decode.connector.transport._sinks
+    _waiting_for_kv(decode, "gone", PROMPTS[1], params, "aborted-first")
+    decode.abort_request("gone")
+    assert not decode.connector.transport._sinks
     _idle(decode)
 
 
