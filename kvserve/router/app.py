@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvserve.router.first_token import FirstTokenSplice, early_eligible, first_chunks, first_text, first_text_is_whole
 from kvserve.router.policy import Choice, Policy
 from kvserve.router.replicas import Replica, health_loop
 
@@ -96,9 +97,10 @@ class RouterMetrics:
 
 
 def handoff_eligible(path: str, payload: dict) -> bool:
-    """Whether a request can go prefill-then-decode: one sample of one prompt, and nothing
-    that needs the prompt's logits on the decode side (prompt logprobs, echo with logprobs)."""
-    if (payload.get("n") or 1) != 1 or payload.get("prompt_logprobs") is not None:
+    """Whether a request can go prefill-then-decode: one prompt, and nothing that needs the
+    prompt's logits on the decode side (prompt logprobs, echo with logprobs). With n > 1 the
+    first sample takes the handoff and the others start from its prompt there."""
+    if payload.get("prompt_logprobs") is not None:
         return False
     if path.endswith("/completions") and not path.endswith("/chat/completions"):
         prompt = payload.get("prompt")
@@ -165,8 +167,11 @@ def create_router_app(
         return await _serve_from(plain, path, body, text, headers)
 
     async def _prefill_then_decode(path: str, payload: dict, text: str, headers: dict) -> Response:
-        """The prompt to its first token on a prefill instance, which hands the KV over; then
-        the request on a decode instance, whose answer (the first token on) is the client's."""
+        """The request on a decode instance and its prompt on a prefill instance at once: the
+        decode instance allocates the prompt's blocks and waits, the prefill instance runs the
+        prompt to its first token and hands the KV over into those blocks. A streaming client
+        gets the first token from the prefill answer (router/first_token.py), the rest from the
+        decode instance; otherwise the decode instance's answer is the client's."""
         transfer_id = uuid.uuid4().hex
         # the decode instance is picked first: a point-to-point transport needs its address
         target = policy.choose(decodes, text)
@@ -176,26 +181,100 @@ def create_router_app(
         params = {"do_remote_decode": True, "transfer_id": transfer_id}
         if target.replica.kv_address:
             params["remote_address"] = target.replica.kv_address
-        first = dict(payload, stream=False, max_tokens=1, kv_transfer_params=params)
+        first = dict(payload, stream=False, max_tokens=1, n=1, kv_transfer_params=params)
         first.pop("stream_options", None)
+        first.pop("best_of", None)
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
-        answer = await _answer_from(prefills, path, json.dumps(first).encode(), text, headers)
-        if isinstance(answer, Response) and (answer.status_code == 503 or b"kv_transfer_failed" in answer.body):
-            # no prefill instance could serve, or its handoff could not be sent: a decode
-            # instance computes the prompt itself
-            return await _serve_from(decodes, path, json.dumps(payload).encode(), text, headers)
-        if isinstance(answer, Response):  # the request's own error
-            return answer
+        rest = dict(payload, kv_transfer_params={"do_remote_prefill": True, "transfer_id": transfer_id})
+        sent = time.monotonic()
+        # the chosen decode instance (the KV goes to it); if it fails, another computes the prompt itself
+        pool = [target.replica] + [r for r in decodes if r is not target.replica]
+        decoding = asyncio.create_task(_open_from(
+            pool, path, json.dumps(rest).encode(), text, headers, prefer=target.replica, retry_body=json.dumps(payload).encode(),
+            on_first_byte=lambda: metrics.decode_first_byte_seconds.observe(max(0.0, time.monotonic() - prefilled))))  # fmt: skip
+        prefilled = sent
+        tried_prefill = any(r.up for r in prefills)
+        try:
+            answer = await _answer_from(prefills, path, json.dumps(first).encode(), text, headers)
+        except BaseException:  # the client went away: the decode instance's request goes too
+            await _drop(decoding)
+            raise
+        prefilled = time.monotonic()
+        if isinstance(answer, Response):
+            if answer.status_code != 503 and b"kv_transfer_failed" not in answer.body:
+                await _drop(decoding)  # the request's own error (a 4xx): the client gets it; closing aborts the decode side's copy
+                return answer
+            # no prefill instance was up (the decode instance computes the prompt), or the one
+            # tried failed or could not send (the decode instance's --kv-transfer-failure
+            # decides): said now, so the decode side does not wait out its timeout
+            await _abandon(target.replica, transfer_id, answer, recompute=not tried_prefill)
+            return await _respond(decoding)
         handoff = answer.get("kv_transfer_params") or {}
         metrics.handoff_bytes.observe(handoff.get("bytes") or 0)
         metrics.handoff_seconds.observe(handoff.get("seconds") or 0.0)
-        rest = dict(payload, kv_transfer_params={"do_remote_prefill": True, "transfer_id": transfer_id})
-        sent = time.monotonic()
-        # the chosen decode instance first (the KV went to it); if it fails, another computes the prompt itself
-        pool = [target.replica] + [r for r in decodes if r is not target.replica]
-        return await _serve_from(pool, path, json.dumps(rest).encode(), text, headers, prefer=target.replica,
-                                 on_first_byte=lambda: metrics.decode_first_byte_seconds.observe(time.monotonic() - sent))  # fmt: skip
+        if early_eligible(path, payload) and first_text_is_whole(first_text(path, answer)):
+            return StreamingResponse(_spliced(path, answer, decoding), media_type="text/event-stream")
+        return await _respond(decoding)
+
+    async def _abandon(replica: Replica, transfer_id: str, answer: Response, recompute: bool) -> None:
+        client: httpx.AsyncClient = state["client"]
+        reason = f"the prefill side answered {answer.status_code}: {answer.body[:300].decode(errors='replace')}"
+        try:
+            await client.post(replica.url + "/v1/kv_transfer/abandon", headers=upstream_auth, timeout=10.0,
+                              json={"transfer_id": transfer_id, "reason": reason, "recompute": recompute})  # fmt: skip
+        except httpx.HTTPError:  # the decode request then times out into its failure policy
+            pass
+
+    async def _drop(decoding: asyncio.Task) -> None:
+        """The decode side's request is not wanted: cancelled, or closed if already answering
+        (either way the connection closes, which aborts it there)."""
+        decoding.cancel()
+        try:
+            opened = await decoding
+        except (asyncio.CancelledError, Exception):
+            return
+        if not isinstance(opened, Response):
+            upstream, _, _, replica = opened
+            replica.in_flight -= 1
+            await upstream.aclose()
+
+    async def _respond(decoding: asyncio.Task) -> Response:
+        opened = await decoding
+        if isinstance(opened, Response):
+            return opened
+        upstream, first_bytes, chunks, replica = opened
+        return _relay(upstream, first_bytes, chunks, replica)
+
+    async def _spliced(path: str, answer: dict, decoding: asyncio.Task):
+        """The first token from the prefill answer, at once; then the decode instance's stream
+        without it."""
+        yield first_chunks(path, answer)
+        try:
+            opened = await decoding
+        except BaseException:
+            await _drop(decoding)
+            raise
+        if isinstance(opened, Response):  # no decode instance could go on: the stream ends with its error
+            try:
+                err = json.loads(opened.body)
+            except ValueError:
+                err = error_body(opened.body[:300].decode(errors="replace"), code="replica_failed")
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            return
+        upstream, first_bytes, chunks, replica = opened
+        splice = FirstTokenSplice(path, answer)
+        body = _relay_body(upstream, first_bytes, chunks, replica, streaming=True)
+        try:
+            async for data in body:
+                out = splice.feed(data)
+                if out:
+                    yield out
+            tail = splice.flush()
+            if tail:
+                yield tail
+        finally:  # also when the client leaves mid-stream: the upstream closes, which aborts it there
+            await body.aclose()
 
     def _next(pool: list[Replica], text: str, tried: set[str], errors: list[str], prefer: Replica | None = None) -> Choice | Response:
         """The replica to try next (`prefer` first, where a handoff went), counted as sent
@@ -245,8 +324,17 @@ def create_router_app(
                 return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
             return r.json()
 
-    async def _serve_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict, on_first_byte=None,
-                          prefer: Replica | None = None) -> Response:  # fmt: skip
+    async def _serve_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict) -> Response:
+        opened = await _open_from(pool, path, body, text, headers)
+        if isinstance(opened, Response):
+            return opened
+        return _relay(*opened)
+
+    async def _open_from(pool: list[Replica], path: str, body: bytes, text: str, headers: dict, on_first_byte=None,
+                         prefer: Replica | None = None, retry_body: bytes | None = None):  # fmt: skip
+        """An answer under way from some replica of `pool` (`prefer` first, with `body`; any
+        retry with `retry_body` when given): (upstream, its first bytes, the rest, the
+        replica), once the first bytes are here; or the Response to give the client."""
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
         errors: list[str] = []
@@ -255,6 +343,8 @@ def create_router_app(
             if isinstance(choice, Response):
                 return choice
             replica = choice.replica
+            if prefer is not None and replica is not prefer and retry_body is not None:
+                body = retry_body  # not where the handoff went: this one computes the prompt
             try:
                 upstream = await client.send(client.build_request("POST", replica.url + path, content=body, headers=headers), stream=True)
             except httpx.HTTPError as exc:
@@ -282,32 +372,35 @@ def create_router_app(
                 replica.mark_down(f"{type(exc).__name__} before the first byte: {exc}")
                 errors.append(f"{replica.url}: {type(exc).__name__}")
                 continue
+            except BaseException:  # cancelled (the client left, or the request failed elsewhere): close, which aborts it there
+                await upstream.aclose()
+                replica.in_flight -= 1
+                raise
             if on_first_byte is not None:
                 on_first_byte()
             metrics.prompt_chars.inc(len(text))
             metrics.matched_chars.inc(choice.matched_chars)
-            return _relay(upstream, first, chunks, replica)
+            return upstream, first, chunks, replica
+
+    async def _relay_body(upstream: httpx.Response, first: bytes, chunks, replica: Replica, streaming: bool):
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as exc:  # the replica went away mid-answer
+            replica.mark_down(f"{type(exc).__name__} mid-answer: {exc}")
+            if streaming:
+                err = error_body(f"the replica serving this stream failed: {type(exc).__name__}", code="replica_failed")
+                yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            replica.in_flight -= 1
+            await upstream.aclose()
 
     def _relay(upstream: httpx.Response, first: bytes, chunks, replica: Replica) -> Response:
         media = upstream.headers.get("content-type", "application/json")
-        streaming = media.startswith("text/event-stream")
-
-        async def relay():
-            try:
-                if first:
-                    yield first
-                async for chunk in chunks:
-                    yield chunk
-            except httpx.HTTPError as exc:  # the replica went away mid-answer
-                replica.mark_down(f"{type(exc).__name__} mid-answer: {exc}")
-                if streaming:
-                    err = error_body(f"the replica serving this stream failed: {type(exc).__name__}", code="replica_failed")
-                    yield f"data: {json.dumps(err)}\n\n".encode()
-            finally:
-                replica.in_flight -= 1
-                await upstream.aclose()
-
-        return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media)
+        body = _relay_body(upstream, first, chunks, replica, streaming=media.startswith("text/event-stream"))
+        return StreamingResponse(body, status_code=upstream.status_code, media_type=media)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -46,6 +46,7 @@ class Replica:
     last_error: str = ""
     kv_address: str | None = None  # a decode instance's torch-transport address, from its /health
     down_since: float | None = None
+    polls: int = 0  # health checks completed
     prefixes: PrefixIndex = dataclasses.field(default_factory=PrefixIndex)
 
     @property
@@ -71,7 +72,7 @@ class Replica:
     def describe(self) -> dict:
         return {"url": self.url, "pool": self.pool, "up": self.up, "in_flight": self.in_flight, "running": self.running,
                 "waiting": self.waiting, "kv_cache_usage_perc": self.kv_usage, "requests": self.requests,
-                "failures": self.failures, "last_error": self.last_error or None}  # fmt: skip
+                "failures": self.failures, "last_error": self.last_error or None, "polls": self.polls}  # fmt: skip
 
 
 async def check(replica: Replica, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
@@ -96,6 +97,8 @@ async def check(replica: Replica, client: httpx.AsyncClient, headers: dict[str, 
                         setattr(replica, field, sample.value)
     except httpx.HTTPError as exc:
         replica.mark_down(f"/health: {type(exc).__name__}: {exc}")
+    finally:
+        replica.polls += 1
 
 
 async def health_loop(replicas: list[Replica], client: httpx.AsyncClient, headers: dict[str, str], interval_s: float) -> None:

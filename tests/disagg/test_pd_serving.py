@@ -1,10 +1,11 @@
 """`kvserve serve --disaggregation 1P1D`: a prefill server, a decode server and the router in
 front, every one a real process on loopback. Through it, fp32 greedy answers equal a colocated
-server's (completions and chat, streaming and not; n > 1 goes to the decode server plainly),
+server's (completions and chat, streaming and not, n > 1),
 the handoff is measured, and every instance ends with its KV free."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -23,11 +24,11 @@ FLAGS = ["--dtype", "float32", "--device", "cpu", "--threads", "1", "--no-cpu-ke
          "--max-model-len", "512"]  # fmt: skip
 
 
-def _launch(model, log, *extra):
+def _launch(model, log, *extra, env=None):
     """`kvserve serve --disaggregation 1P1D`: (process, router URL, {role: server URL})."""
     out = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", model, *FLAGS, "--disaggregation", "1P1D",
-                             "--port", "0", *extra], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+                             "--port", "0", *extra], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})  # fmt: skip
     deadline = time.monotonic() + 180
     while not _ROUTER.search(log.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -76,8 +77,16 @@ def test_answers_equal_a_colocated_servers(pd):
     assert raw["kv_transfer_params"]["loaded"], raw["kv_transfer_params"]
     assert raw["choices"][0]["text"] == ref.completions.create(
         prompt="The sky over the harbour", **kw).choices[0].text  # the decode server's answer, from the handed-over KV
-    both = router.completions.create(prompt="Two samples", n=2, **kw)  # n > 1: the decode server computes it plainly
-    assert [c.text for c in both.choices] == [c.text for c in ref.completions.create(prompt="Two samples", n=2, **kw).choices]
+    both = router.completions.create(prompt="Two samples", n=2, **kw)  # n > 1: one handoff, the second sample from its prompt
+    want = [c.text for c in ref.completions.create(prompt="Two samples", n=2, **kw).choices]
+    assert [c.text for c in both.choices] == want
+    raw = httpx.post(f"{pd['router']}/v1/completions", json={"prompt": "Two samples", "n": 2, **kw}, timeout=60).json()
+    assert raw["kv_transfer_params"]["loaded"] and [c["text"] for c in raw["choices"]] == want
+    texts = ["", ""]
+    for c in router.completions.create(prompt="Two samples", n=2, stream=True, **kw):
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == want
 
 
 def test_the_handoff_is_measured_and_nothing_leaks(pd):
@@ -129,7 +138,48 @@ def test_over_torch_distributed_point_to_point(pd, tmp_path):
         _stop(proc)
 
 
+def test_a_stream_gets_its_first_token_before_the_handoff_arrives(pd, tmp_path):
+    """Every handoff held back 3 s on the decode side (the stalling test transport): a
+    streaming client still gets its first token as soon as the prefill instance has it, then
+    the rest, the same text as a colocated server's, in one completion's chunks."""
+    stall = 3.0
+    proc, router, _ = _launch(pd["model"], tmp_path / "stall.log", env={"KVSERVE_TEST_KV_STALL_S": str(stall)})
+    try:
+        kw = dict(model=pd["reference"].model_name, max_tokens=8, temperature=0)
+        ref = _client(pd["reference"].url)
+        want = ref.completions.create(prompt="Early bird", **kw).choices[0].text
+        start = time.monotonic()
+        chunks, times = [], []
+        for c in _client(router).completions.create(prompt="Early bird", stream=True, logprobs=1, **kw):
+            chunks.append(c)
+            times.append(time.monotonic() - start)
+        assert times[0] < stall - 1 and times[-1] >= stall  # the first token came ahead of the handoff
+        assert "".join(c.choices[0].text for c in chunks) == want
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert len(tokens) == 8 and len({c.id for c in chunks}) == 1  # each token once, one completion
+        messages = [{"role": "user", "content": "Early bird"}]
+        want = ref.chat.completions.create(messages=messages, **kw).choices[0].message.content
+        start = time.monotonic()
+        stream = _client(router).chat.completions.create(messages=messages, stream=True, **kw)
+        first = next(iter(stream))
+        assert time.monotonic() - start < stall - 1 and first.choices[0].delta.role == "assistant"
+        rest = [c for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices) == want
+        assert sum(1 for c in rest if c.choices and c.choices[0].delta.role) == 0  # one role chunk
+    finally:
+        _stop(proc)
+
+
 def test_a_server_refuses_the_half_its_role_does_not_take(pd):
     r = httpx.post(f"{pd['servers']['decode']}/v1/completions", timeout=30, json={
         "prompt": "x", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "abc"}})
     assert r.status_code == 400 and "decode instance" in r.json()["error"]["message"]
+    abandon = "/v1/kv_transfer/abandon"
+    r = httpx.post(pd["servers"]["prefill"] + abandon, json={"transfer_id": "abc"}, timeout=30)
+    assert r.status_code == 400 and "receives no KV handoffs" in r.json()["error"]["message"]
+    r = httpx.post(pd["servers"]["decode"] + abandon, json={"transfer_id": "../etc"}, timeout=30)
+    assert r.status_code == 400 and "transfer_id" in r.json()["error"]["message"]
+    r = httpx.post(pd["servers"]["decode"] + abandon, json={"transfer_id": 5}, timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(pd["servers"]["decode"] + abandon, json={"transfer_id": "nobody-waits", "reason": "test"}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"transfer_id": "nobody-waits", "abandoned": True}

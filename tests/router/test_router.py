@@ -162,6 +162,10 @@ def test_a_dead_replica_is_marked_down_retried_around_and_taken_back(deployment)
     slow = RouterProcess([r.url for r in replicas], deployment["tmp"] / "slow-router.log", "--health-interval", "60",
                          "--policy", "round-robin")  # fmt: skip
     try:
+        deadline = time.monotonic() + 30
+        while not all(r["polls"] and r["up"] for r in slow.health()["replicas"]):  # its first poll saw both alive, before the kill
+            assert time.monotonic() < deadline, slow.health()
+            time.sleep(0.1)
         replicas[holder].kill()
         for stream in (False, True):
             out = client.chat.completions.create(model=name, max_tokens=4, temperature=0, messages=ask, stream=stream)
