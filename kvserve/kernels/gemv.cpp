@@ -64,36 +64,41 @@ void gemv_dispatch(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y
 // sums: the weights stream strictly in order and no horizontal sums are left. Row-major,
 // gemv_block reads 4 rows 1,152 bytes apart (K = 576); on a Zen 4 it streamed the 30
 // layers' projections at ~22 GB/s where this layout read ~39 (one row, from memory).
-// C independent sums per row hide VDPBF16PS's latency when M alone cannot.
-template <int M, int C>
+// Every output is one sum over the tiles, then the pairs, in order: the order of
+// gemm_vnni_8x32 too, so a row's bits never depend on how many rows are in the call (the
+// engine's batch invariance). VDPBF16PS's latency is hidden by B column blocks in flight
+// at once (independent sums) where M rows alone are too few, never by splitting a sum.
+template <int M, int B>
 void gemv_vnni_blocks(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N,
                       int64_t nb0, int64_t nb1) {
   const int64_t tiles = K / 32;
-  for (int64_t nb = nb0; nb < nb1; ++nb) {
-    __m512 acc[M][C];
+  int64_t nb = nb0;
+  for (; nb + B <= nb1; nb += B) {
+    __m512 acc[M][B];
     for (int m = 0; m < M; ++m)
-      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+      for (int b = 0; b < B; ++b) acc[m][b] = _mm512_setzero_ps();
     const at::BFloat16* tile = wp + nb * tiles * 512;
     for (int64_t kb = 0; kb < tiles; ++kb, tile += 512) {
+#pragma GCC unroll 2
+      for (int kp = 0; kp < 16; ++kp) {
+        __m512bh wv[B];
 #pragma GCC unroll 4
-      for (int kp = 0; kp < 16; kp += C) {
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(tile + (kp + c) * 32);
+        for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(tile + b * tiles * 512 + kp * 32);
 #pragma GCC unroll 8
-          for (int m = 0; m < M; ++m) {
-            int32_t pair;  // (x[2kp], x[2kp + 1]) of this tile's 32 features, low half first like w's pairs
-            std::memcpy(&pair, x + m * K + kb * 32 + 2 * (kp + c), sizeof(pair));
-            acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(pair), wv);
-          }
+        for (int m = 0; m < M; ++m) {
+          int32_t pair;  // (x[2kp], x[2kp + 1]) of this tile's 32 features, low half first like w's pairs
+          std::memcpy(&pair, x + m * K + kb * 32 + 2 * kp, sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+          for (int b = 0; b < B; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
         }
       }
     }
-    for (int m = 0; m < M; ++m) {
-      __m512 sum = acc[m][0];
-      for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, acc[m][c]);
-      store16(y + m * N + nb * 16, sum);
-    }
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < B; ++b) store16(y + m * N + (nb + b) * 16, acc[m][b]);
+  }
+  if constexpr (B > 1) {
+    if (nb < nb1) gemv_vnni_blocks<M, 1>(x, wp, y, K, N, nb, nb1);  // the blocks left: same sums, one at a time
   }
 }
 
@@ -104,8 +109,8 @@ void gemv_vnni_blocks(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat1
 // oneDNN's 183 on its own blocked copy).
 // 8 rows × 32 columns (two groups of 16) per tile: each broadcast pair of x feeds two
 // VDPBF16PS, half the broadcasts per multiply-add of gemv_vnni_blocks<8, 1>. Each output
-// sums in the same order as gemv_vnni_blocks<M, 1> (one accumulator, tiles then pairs), so
-// a row's bits do not depend on which of the two kernels its tile took.
+// sums in the same order as gemv_vnni_blocks (one accumulator, tiles then pairs), so a row's
+// bits do not depend on which of the two kernels its tile took.
 void gemm_vnni_8x32(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N, int64_t nb) {
   const int64_t tiles = K / 32;
   __m512 acc0[8], acc1[8];
@@ -149,8 +154,8 @@ void gemm_vnni_rows(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16*
           }
           if (nb % 2 == 1 && rows - m0 >= 8) continue;  // its pair's 8x32 tile wrote it
           switch (std::min<int64_t>(8, rows - m0)) {
-            case 1: gemv_vnni_blocks<1, 4>(xm, wp, ym, K, N, nb, nb + 1); break;
-            case 2: gemv_vnni_blocks<2, 2>(xm, wp, ym, K, N, nb, nb + 1); break;
+            case 1: gemv_vnni_blocks<1, 1>(xm, wp, ym, K, N, nb, nb + 1); break;
+            case 2: gemv_vnni_blocks<2, 1>(xm, wp, ym, K, N, nb, nb + 1); break;
             case 3: gemv_vnni_blocks<3, 1>(xm, wp, ym, K, N, nb, nb + 1); break;
             case 4: gemv_vnni_blocks<4, 1>(xm, wp, ym, K, N, nb, nb + 1); break;
             case 5: gemv_vnni_blocks<5, 1>(xm, wp, ym, K, N, nb, nb + 1); break;
@@ -166,8 +171,8 @@ void gemm_vnni_rows(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16*
 
 template <int M>
 void gemv_vnni_dispatch(const at::BFloat16* x, const at::BFloat16* wp, at::BFloat16* y, int64_t K, int64_t N) {
-  constexpr int C = M == 1 ? 4 : M == 2 ? 2 : 1;
-  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) { gemv_vnni_blocks<M, C>(x, wp, y, K, N, b0, b1); });
+  constexpr int B = M <= 2 ? 4 : 1;  // at least 4 sums in flight (8 at M = 2)
+  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) { gemv_vnni_blocks<M, B>(x, wp, y, K, N, b0, b1); });
 }
 
 // f(std::integral_constant<int, M>{}) for 1 <= M <= 8: the GEMVs' row count as a template

@@ -373,6 +373,24 @@ def test_gemm_vnni_matches_the_gemv_row_for_row_in_full_tiles():
     torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-2)
 
 
+def test_linear_without_amx_gives_a_row_the_same_bits_at_every_row_count():
+    """Batch invariance of the bf16 path without AMX: the GEMV (1-8 rows, several column
+    blocks in flight at 1-2 rows) and the 8x32 tiles sum every output in one order, so a row
+    computed alone equals the same row inside a call of any size (1 to 1,024 rows)."""
+    if ops.amx_available():
+        pytest.skip("this CPU has AMX: its GEMV and tiles sum in different orders (--deterministic uses the VNNI tiles)")
+    g = torch.Generator().manual_seed(0)
+    # long sums of terms spread over 2^±8, so summing in another order shows after rounding to bf16
+    w = (torch.randn(256, 2048, generator=g) * 2.0 ** torch.randint(-8, 9, (256, 2048), generator=g)).bfloat16()
+    lin = _linear(w)
+    x = (torch.randn(1024, 2048, generator=g) * 2.0 ** torch.randint(-8, 9, (1024, 2048), generator=g)).bfloat16()
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(64)])
+    for rows in (1, 2, 3, 5, 8, 9, 17, 64, 65, 300, 1024):
+        assert torch.equal(lin(x[:rows])[: min(rows, 64)], alone[: min(rows, 64)]), rows
+    for start in (0, 7, 100, 999):  # a row's place in the call does not matter either
+        assert torch.equal(lin(x[start : start + 3])[0], lin(x[start : start + 1])[0])
+
+
 @needs_amx
 def test_linear_on_amx_keeps_row_major_for_the_gemv_and_tiles_up_to_1024_rows():
     from kvserve.kernels.support import AMX_MAX_ROWS
