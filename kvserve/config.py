@@ -144,6 +144,11 @@ class EngineConfig:
     # and the shared read saved is small
     shared_prefix_min_positions: int = 1024
     shared_prefix_min_group: int = 16
+    # a request's tokens never depend on what else is in the batch, on how its prompt was
+    # chunked, on prefix-cache hits or on preemption: every attention row through the decode
+    # kernel (one KV order, one softmax accumulation), every projection on a kernel whose sums
+    # have one order for every row count, shared-prefix attention off (docs/deterministic.md)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
@@ -198,6 +203,14 @@ class EngineConfig:
                 "shared_prefix_attention",
                 f"must be one of {', '.join(SHARED_PREFIX_ATTENTION)}, got {self.shared_prefix_attention!r}",
             )
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError("deterministic", f"must be true or false, got {self.deterministic!r}")
+        if self.deterministic:
+            if not self.cpu_kernels:
+                raise ConfigError("deterministic", "needs the CPU kernels (--cpu-kernels): the plain-torch path's matmuls "
+                                  "choose their summation order by row count")  # fmt: skip
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("deterministic", "is not built for tensor parallelism yet (docs/distributed.md says what TP changes in the bits)")
         for field, lo in (("shared_prefix_min_positions", 1), ("shared_prefix_min_group", 2)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:

@@ -43,6 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-prepack-weights keeps only the row-major weights",
     )
     g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="a request's tokens never depend on the batch, chunking, prefix-cache hits or preemption: every attention "
+        "row through the decode kernel, projections with one summation order (costs prefill speed; docs/deterministic.md)",
+    )
+    g.add_argument(
         "--quantization",
         default="auto",
         choices=["auto", "none", "int8", "int4"],
@@ -103,6 +109,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         shared_prefix_attention=getattr(args, "shared_prefix_attention", "auto"),
         shared_prefix_min_positions=getattr(args, "shared_prefix_min_positions", 1024),
         shared_prefix_min_group=getattr(args, "shared_prefix_min_group", 16),
+        deterministic=getattr(args, "deterministic", False),
     )
     values.update(overrides)
     return EngineConfig(**values)

@@ -58,6 +58,11 @@ class AttentionMetadata:
     # find_shared_prefill_prefixes): per segment (leader, shared_len), the leader's positions
     # [0, shared_len) read once for all its members; None: every segment reads its own
     prefill_sharing: list[tuple[int, int]] | None = None
+    # --deterministic with prompt chunks in the step: every row of the step as a decode query,
+    # in row order: ([T, max_blocks] int32 block tables, [T] int32 context lengths). Attention
+    # then runs every row through the decode kernel, so a position's result is the same
+    # whether it is decoded or inside any chunk of a prompt. None: rows go by their kind
+    row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     _groups: tuple[list[FreshGroup], list[PrefillSegment]] | None = dataclasses.field(default=None, repr=False)
     _kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = dataclasses.field(default=None, repr=False)
 

@@ -154,8 +154,12 @@ def paged_attention(
     `k_scale` / `v_scale`: the scale pools of int8 pools (None for float pools).
     A `meta.cascade` plan runs the decodes in parts, each shared prefix read once per group
     (attention/cascade.py): on the kernels where the plan was built for them (bf16 queries,
-    bf16 or int8 pools), else on the reference path.
+    bf16 or int8 pools), else on the reference path. `meta.row_tables` (--deterministic)
+    runs every row, decode or prompt, through the decode kernel.
     """
+    if meta.row_tables is not None and decode_ops is not None:  # --deterministic: one kernel for every row
+        tables, lens = meta.row_tables
+        return decode_ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, k_scale, v_scale)
     plan = meta.cascade
     on_kernels = decode_ops is not None and plan is not None and plan.uses_kernels
     if meta.num_decodes and not meta.prefills and decode_ops is not None:

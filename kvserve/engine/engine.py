@@ -208,7 +208,8 @@ class LLMEngine:
 
         # which kernel runs each part of this model, decided once; the model only follows it
         self.kernels = KernelSupport.decide(
-            attention_arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype
+            attention_arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype,
+            deterministic=config.deterministic,
         )
         vocab_sizes = [plan_shard(arch, r, world).vocab for r in range(world)]
         model = LlamaForCausalLM(
@@ -219,6 +220,8 @@ class LLMEngine:
         release_free_memory()  # the load's freed transients, before the pools are allocated
         self.model = model.to(config.torch_device)
         self.model.process_weights_after_loading()
+        if config.deterministic:
+            self._check_deterministic()
         self.kv_events = KVEventLog() if config.enable_kv_cache_events else None
         if requests_layout:
             self.model.request_heads = RequestHeads.from_shards(
@@ -236,8 +239,9 @@ class LLMEngine:
             min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size), min_group_size=config.shared_prefix_min_group
         )
         self.runner = ModelRunner(
-            self.model, layout, config.torch_device, config.shared_prefix_attention, rule, self.tp,
-            pool_kv_heads=arch.num_kv_heads if requests_layout else None,
+            # --deterministic: a decode row read in parts (shared prefix, then suffix, merged) has other bits than read whole
+            self.model, layout, config.torch_device, "off" if config.deterministic else config.shared_prefix_attention, rule,
+            self.tp, pool_kv_heads=arch.num_kv_heads if requests_layout else None, deterministic=config.deterministic,
         )  # fmt: skip
         if self.tp is None:  # a handoff moves one process's pools (not yet a tensor-parallel group's)
             self.connector = KVConnector(
@@ -252,6 +256,21 @@ class LLMEngine:
         self._children: dict[str, _Parent] = {}
         self.counters = EngineCounters()
         self._next_id = 0
+
+    def _check_deterministic(self) -> None:
+        """--deterministic holds only where every path a row can take sums in one order: the
+        decode attention kernel (every attention row goes through it) and batch-invariant
+        projections. Anything else is refused, named, rather than silently not deterministic."""
+        problems = []
+        if not self.kernels.decode_attention.enabled:
+            problems.append(f"the decode attention kernel is off ({self.kernels.decode_attention.reason})")
+        odd = sorted({kind for kind, lins in self.model.projection_kinds().items() for lin in lins
+                      if not lin.method.batch_invariant(lin)})  # fmt: skip
+        if odd:
+            problems.append(f"these projections run where the summation order depends on the row count: {', '.join(odd)} "
+                            "(off the kernels' tile grid, or not bf16/quantized)")  # fmt: skip
+        if problems:
+            raise ConfigError("deterministic", "cannot hold for this model here: " + "; ".join(problems))
 
     @staticmethod
     def _kv_transport(config: EngineConfig):
@@ -623,7 +642,9 @@ class LLMEngine:
             f"max_model_len {self.max_model_len}; loaded in {self.load_seconds:.1f}s"
             f"{' (cached weights)' if self.loaded_from_cache else ''}\n"
             f"{self.tensor_parallel_line()}"
-            f"{self.kernels.describe()}\n{self.model.describe_projections()}"
+            + ("deterministic: every attention row through the decode kernel, projections in one summation order, "
+               "shared-prefix attention off (docs/deterministic.md)\n" if self.config.deterministic else "")
+            + f"{self.kernels.describe()}\n{self.model.describe_projections()}"
             + "".join(f"\n  note: {note}" for note in self.format_notes)
         )
 

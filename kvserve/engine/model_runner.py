@@ -90,8 +90,11 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, layout: KVPoolLayout, device: torch.device, shared_prefix_attention: str = "auto",
         shared_prefix_rule: SharedPrefixRule | None = None, tp=None, pool_kv_heads: int | None = None,
+        deterministic: bool = False,
     ):
         self.model = model
+        # every attention row of a step with prompt chunks through the decode kernel (AttentionMetadata.row_tables)
+        self.deterministic = deterministic
         # distributed/group.py TensorParallelGroup (None: one process); rank 0 sends each step's inputs
         self.tp = tp if tp is not None and tp.world > 1 else None
         # "auto": decode rows whose tables start with the same physical blocks run in parts
@@ -230,7 +233,11 @@ class ModelRunner:
             decode_lens = lens.to(torch.int32).to(self.device)
             decode_tables = tables.to(torch.int32).to(self.device)
 
+        row_tables = None
+        if self.deterministic and prefills and self.decode_reads_pool_in_place:
+            row_tables = self._row_tables(ordered, block_tables)
         return AttentionMetadata(
+            row_tables=row_tables,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             num_decodes=len(decodes),
             decode_slots=decode_slots,
@@ -242,6 +249,21 @@ class ModelRunner:
             kv_positions_read=kv_positions_read,
             prefill_sharing=prefill_sharing,
         )
+
+    def _row_tables(self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row of these requests as a decode query: its request's block table and its
+        context length (position + 1), in row order."""
+        bs = self.layout.block_size
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        for s in ordered:
+            start, m = s.request.num_computed_tokens, s.num_new_tokens
+            table = block_tables[s.request.request_id][: -(-(start + m) // bs)]
+            tables.extend([table] * m)
+            lens.extend(range(start + 1, start + m + 1))
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return padded.to(self.device), torch.tensor(lens, dtype=torch.int32, device=self.device)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         if self.tp is not None:  # the other ranks run the same step on their shares

@@ -105,6 +105,7 @@ class KernelSupport:
     tile_k: int = 32
     amx: bool = False
     prepack_weights: bool = False
+    deterministic: bool = False
     ops: CpuOps | None = dataclasses.field(default=None, repr=False, compare=False)
 
     # ---- decisions -----------------------------------------------------------------------
@@ -117,10 +118,12 @@ class KernelSupport:
     @classmethod
     def decide(
         cls, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, ops: CpuOps | None,
-        prepack_weights: bool = True, kv_dtype: torch.dtype | None = None,
+        prepack_weights: bool = True, kv_dtype: torch.dtype | None = None, deterministic: bool = False,
     ) -> "KernelSupport":
         """`ops`: the compiled module (kvserve.kernels.cpu_ops()), or None where it is off.
-        `kv_dtype`: the KV pools' elements (None: the model's dtype); int8 pools carry scales."""
+        `kv_dtype`: the KV pools' elements (None: the model's dtype); int8 pools carry scales.
+        `deterministic`: only kernels whose sums have one order for every row count (bf16
+        projections on the VNNI tiles for every row count, never AMX's or oneDNN's)."""
         if device.type != "cpu":
             return cls.none(f"the kernels are CPU kernels; this model runs on {device}")
         if ops is None:
@@ -174,11 +177,13 @@ class KernelSupport:
         silu_and_mul = verdict([multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")], "one pass")
         argmax_rows = KernelChoice.on("greedy rows of the sampler")
 
+        vnni_tiles = prepack_weights and (not amx or deterministic)
         gemv = verdict([None if bf16 else "bfloat16 weights only"],
-                       f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" if prepack_weights and not amx else "row-major"))
+                       f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" if vnni_tiles else "row-major"))
         amx_linear = verdict(
             [None if bf16 else "bfloat16 only", None if amx else "the CPU has no AMX-BF16",
-             None if prepack_weights else "weights not prepacked (--no-prepack-weights)"],
+             None if prepack_weights else "weights not prepacked (--no-prepack-weights)",
+             "--deterministic: the VNNI tiles serve every row count, in one summation order" if deterministic else None],
             f"{lim['gemv_max_rows'] + 1}-{AMX_MAX_ROWS} rows on AMX tiles",
         )
         onednn_linear = verdict(
@@ -212,7 +217,8 @@ class KernelSupport:
             rope_and_cache=rope_and_cache, silu_and_mul=silu_and_mul, argmax_rows=argmax_rows, gemv=gemv,
             amx_linear=amx_linear, onednn_linear=onednn_linear, silu_epilogue=silu_epilogue,
             argmax_epilogue=argmax_epilogue, fused_decode=fused_decode, gemv_max_rows=lim["gemv_max_rows"],
-            amx_argmax_max_rows=lim["amx_argmax_max_rows"], tile_rows=lim["tile_rows"], tile_k=lim["tile_k"], amx=amx, prepack_weights=prepack_weights, ops=ops,
+            amx_argmax_max_rows=lim["amx_argmax_max_rows"], tile_rows=lim["tile_rows"], tile_k=lim["tile_k"], amx=amx,
+            prepack_weights=prepack_weights, deterministic=deterministic, ops=ops,
         )  # fmt: skip
 
     @staticmethod
@@ -253,7 +259,7 @@ class KernelSupport:
         amx = self.amx_linear.enabled and on_grid
         interleaved = amx and silu_mul and self.silu_epilogue.enabled
         argmax_rows = min(AMX_MAX_ROWS, self.amx_argmax_max_rows) if amx and argmax and self.argmax_epilogue.enabled else 0
-        vnni = on_grid and self.prepack_weights and not self.amx
+        vnni = on_grid and self.prepack_weights and (not self.amx or self.deterministic)
         return ProjectionPlan(
             gemv_max_rows=self.gemv_max_rows,
             # without AMX the GEMV reads a VNNI-tile copy, streamed in order (the row-major GEMV

@@ -57,5 +57,10 @@ class LinearMethod:
         LM head's table is held once, in its head's layout)."""
         return F.embedding(ids, layer.weight)
 
+    def batch_invariant(self, layer: "Linear") -> bool:
+        """Whether a row's output bits are the same whatever the number of rows in the call
+        (one summation order over K for every row count): --deterministic needs it."""
+        return False
+
     def describe(self, layer: "Linear") -> str:
         return self.name

@@ -97,6 +97,12 @@ class CpuBf16LinearMethod(LinearMethod):
         rows = tiles.view(g, kb, 16, 16, 2)[ids // 16, :, :, ids % 16, :]
         return rows.reshape(ids.shape[0], kb * 32)
 
+    def batch_invariant(self, layer) -> bool:
+        # the GEMV and gemm_vnni's tiles sum each output in one order (kernels/gemv.cpp);
+        # AMX's tiles, oneDNN and F.linear each have orders of their own
+        p = self.plan
+        return p.gemv_vnni and p.gemv_all_rows and not p.amx_max_rows
+
     def describe(self, layer) -> str:
         p = self.plan
         parts = [f"GEMV 1-{p.gemv_max_rows} rows ({'VNNI tiles' if p.gemv_vnni else 'row-major'})"]

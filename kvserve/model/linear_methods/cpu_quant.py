@@ -52,5 +52,8 @@ class CpuQuantLinearMethod(LinearMethod):
     def embedding_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         return self.ops.quant_embedding(ids, self.segments, layer.in_features, torch.bfloat16)
 
+    def batch_invariant(self, layer) -> bool:
+        return True  # each row's blocks summed in one order, whatever tile it lands in (kernels/quant_linear.cpp)
+
     def describe(self, layer) -> str:
         return f"{self.name}: {layer.qweight.describe()}; {COMPUTE_FORMAT}"
