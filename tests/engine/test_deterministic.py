@@ -1,7 +1,8 @@
 """--deterministic: a request's greedy tokens and their logprobs, to the bit, never depend on
 what else is in the batch, the order requests arrive in, how its prompt was chunked,
 prefix-cache hits or preemption. In bf16 with the CPU kernels, on the default model, in its
-native Q4_1 weights and dequantized to bf16 (the VNNI-tile GEMV and tiles)."""
+native Q4_1 weights, dequantized to bf16 (the VNNI-tile GEMV and tiles), and with an int8 KV
+cache."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ign
 
 
 def _llm(quantization: str, **kw) -> LLM:
-    return LLM(dtype="bfloat16", deterministic=True, quantization=quantization, **{"kv_cache_memory": "64MiB", **kw})
+    kv_dtype = "int8" if quantization == "auto+int8-kv" else "auto"
+    quantization = quantization.split("+")[0]
+    return LLM(dtype="bfloat16", deterministic=True, quantization=quantization, kv_cache_dtype=kv_dtype,
+               **{"kv_cache_memory": "64MiB", **kw})  # fmt: skip
 
 
 def _result(out) -> tuple:
@@ -37,7 +41,7 @@ def _together(llm: LLM, params=GREEDY, prompts=PROMPTS) -> list[tuple]:
     return [_result(o) for o in llm.generate(prompts, params)]
 
 
-@pytest.fixture(scope="module", params=["auto", "none"], ids=["q4_1-native", "bf16"])
+@pytest.fixture(scope="module", params=["auto", "none", "auto+int8-kv"], ids=["q4_1-native", "bf16", "int8-kv"])
 def case(request):
     llm = _llm(request.param)
     return {"quantization": request.param, "llm": llm, "want": _together(llm)}
