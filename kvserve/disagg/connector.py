@@ -102,6 +102,7 @@ class KVConnector:
         # handoffs the router says will not come (their prefill failed), kept until a request takes them:
         # transfer id -> (why, since, whether to compute the prompt here whatever the policy)
         self._abandoned: dict[str, tuple[str, float, bool]] = {}
+        self._swept = time.monotonic()
         # totals, for metrics
         self.sent = self.received = self.failed = 0
         self.bytes_sent = self.bytes_received = 0
@@ -153,6 +154,9 @@ class KVConnector:
         return False
 
     def _poll(self, t: KVTransferParams) -> KVHandoff | None:
+        if time.monotonic() - self._swept > min(self.timeout_s, 10.0):  # handoffs nobody will take, now and then
+            self._swept = time.monotonic()
+            self.transport.sweep(2 * self.timeout_s)
         abandoned = self._abandoned.pop(t.transfer_id, None)
         if abandoned is not None:
             t.must_recompute = abandoned[2]

@@ -68,6 +68,7 @@ class TorchDistributedTransport(KVTransport):
         self._arrived: dict[str, KVHandoff] = {}
         self._broken: dict[str, str] = {}  # handoffs whose pair broke mid-way: transfer id -> why
         self._sinks: dict = {}  # transfer id -> the BlockSink of the request expecting it
+        self._since: dict[str, float] = {}  # when each untaken handoff (arrived or broken) came, for `sweep`
         self._failed_pairs = 0
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}  # sending side: address -> its pair
@@ -159,11 +160,13 @@ class TorchDistributedTransport(KVTransport):
         except Exception as exc:  # the sender died mid-handoff: its request need not wait out the timeout
             with self._lock:
                 self._broken[transfer_id] = f"{type(exc).__name__}: {exc}"
+                self._since[transfer_id] = time.monotonic()
             raise
         meta = json.loads(bytes(meta_bytes.numpy()).decode())
         if meta.get("cancelled"):  # the prefill request was aborted mid-send
             with self._lock:
                 self._broken[transfer_id] = "the prefill request was aborted"
+                self._since[transfer_id] = time.monotonic()
             return
         logprobs = meta["first_logprobs"]
         handoff = KVHandoff(
@@ -176,10 +179,13 @@ class TorchDistributedTransport(KVTransport):
             if kv is None and self._sinks.get(transfer_id) is not sink:
                 return  # its request let the blocks go (aborted or failed) before the end: nobody takes it
             self._arrived[transfer_id] = handoff
+            self._since[transfer_id] = time.monotonic()
 
     def poll(self, transfer_id: str) -> KVHandoff | None:
         with self._lock:
             broken = self._broken.pop(transfer_id, None)
+            if broken is not None or transfer_id in self._arrived:
+                self._since.pop(transfer_id, None)
             if broken is not None:
                 raise KVTransferError(f"handoff {transfer_id} broke off: {broken}")
             return self._arrived.pop(transfer_id, None)
@@ -188,6 +194,17 @@ class TorchDistributedTransport(KVTransport):
         with self._lock:
             self._arrived.pop(transfer_id, None)
             self._broken.pop(transfer_id, None)
+            self._since.pop(transfer_id, None)
+
+    def sweep(self, older_than_s: float) -> int:
+        now = time.monotonic()
+        with self._lock:
+            stale = [tid for tid, since in self._since.items() if now - since > older_than_s]
+            for tid in stale:
+                self._arrived.pop(tid, None)
+                self._broken.pop(tid, None)
+                del self._since[tid]
+        return len(stale)
 
     def expect(self, transfer_id: str, sink) -> None:
         with self._lock:

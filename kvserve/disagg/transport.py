@@ -80,6 +80,11 @@ class KVTransport:
     def discard(self, transfer_id: str) -> None:
         """Forget a handoff nobody will take (its request was aborted)."""
 
+    def sweep(self, older_than_s: float) -> int:
+        """Forget handoffs that arrived more than `older_than_s` ago and were never taken (their
+        decode request never came, or timed out first); how many. Called as requests poll."""
+        return 0
+
     def expect(self, transfer_id: str, sink: "BlockSink") -> None:
         """The receiving request's blocks are allocated: a transport that receives layer by
         layer may write the handoff straight into them through `sink`. This default stages
@@ -150,6 +155,19 @@ class SharedMemoryTransport(KVTransport):
     def discard(self, transfer_id: str) -> None:
         self._path(transfer_id).unlink(missing_ok=True)
 
+    def sweep(self, older_than_s: float) -> int:
+        """Handoff files (and a dead writer's temporaries) older than that: on a host whose
+        prefill instances outlive the decode requests, /dev/shm would otherwise keep them."""
+        now, removed = time.time(), 0
+        for path in self.directory.glob("*.*"):
+            try:
+                if now - path.stat().st_mtime > older_than_s:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # taken meanwhile
+                pass
+        return removed
+
 
 class FaultyTransport(KVTransport):
     """`fail_send` / `fail_receive`: raise KVTransferError; `stall_s`: a handoff becomes
@@ -183,6 +201,9 @@ class FaultyTransport(KVTransport):
 
     def discard(self, transfer_id: str) -> None:
         self.inner.discard(transfer_id)
+
+    def sweep(self, older_than_s: float) -> int:
+        return self.inner.sweep(older_than_s)
 
     def expect(self, transfer_id: str, sink: BlockSink) -> None:
         self.inner.expect(transfer_id, sink)

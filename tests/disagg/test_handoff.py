@@ -270,3 +270,33 @@ def test_a_torch_handoff_to_nobody_fails_the_send(tiny_llama):
                           {"do_remote_decode": True, "transfer_id": "nobody", "remote_address": f"127.0.0.1:{free_port()}"})])  # fmt: skip
     assert "to 127.0.0.1" in out["p"].kv_transfer_params["error"]
     assert prefill.kv_cache.num_free_blocks() == prefill.kv_cache.num_blocks
+
+
+def test_handoffs_nobody_takes_are_swept(tiny_llama, tmp_path):
+    """A handoff whose decode request never comes (the router died between the two) does not
+    stay in /dev/shm: the decode side sweeps files older than twice its timeout as its
+    requests poll; the torch transport forgets such handoffs the same way."""
+    import os
+
+    from kvserve.disagg.torch_transport import TorchDistributedTransport
+    from kvserve.disagg.transport import SharedMemoryTransport
+
+    shm = SharedMemoryTransport(tmp_path)
+    old, fresh = tmp_path / "old.kv", tmp_path / "fresh.kv"
+    old.write_bytes(b"x")
+    fresh.write_bytes(b"x")
+    os.utime(old, (time.time() - 100, time.time() - 100))
+    assert shm.sweep(50) == 1 and not old.exists() and fresh.exists()
+
+    decode = _engine(tiny_llama, "decode", kv_transfer_timeout_s=0.2)
+    decode.connector.transport = SharedMemoryTransport(tmp_path)
+    os.utime(fresh, (time.time() - 100, time.time() - 100))
+    time.sleep(0.25)
+    decode.add_request("w", PROMPTS[1], SamplingParams(max_tokens=2), kv_transfer={"do_remote_prefill": True, "transfer_id": "w"})
+    decode.step()  # polls, and sweeps what is older than 0.4 s
+    assert not fresh.exists()
+
+    torch_side = TorchDistributedTransport()
+    torch_side._broken["gone"], torch_side._since["gone"] = "the prefill request was aborted", time.monotonic() - 100
+    assert torch_side.sweep(50) == 1 and "gone" not in torch_side._broken
+    torch_side.close()
