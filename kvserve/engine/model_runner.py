@@ -13,6 +13,7 @@ import logging
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.attention.cascade import SharedPrefixRule, find_shared_prefill_prefixes
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
@@ -254,16 +255,16 @@ class ModelRunner:
         """Every row of these requests as a decode query: its request's block table and its
         context length (position + 1), in row order."""
         bs = self.layout.block_size
-        tables: list[list[int]] = []
-        lens: list[int] = []
+        tables: list[tuple[torch.Tensor, int]] = []
+        lens: list[torch.Tensor] = []
         for s in ordered:
             start, m = s.request.num_computed_tokens, s.num_new_tokens
-            table = block_tables[s.request.request_id][: -(-(start + m) // bs)]
-            tables.extend([table] * m)
-            lens.extend(range(start + 1, start + m + 1))
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        return padded.to(self.device), torch.tensor(lens, dtype=torch.int32, device=self.device)
+            tables.append((torch.tensor(block_tables[s.request.request_id][: -(-(start + m) // bs)], dtype=torch.int32), m))
+            lens.append(torch.arange(start + 1, start + m + 1, dtype=torch.int32))
+        width = max(t.numel() for t, _ in tables)
+        # one table per request, repeated for its rows (a 2,048-row chunk built as Python lists took ~20 ms)
+        padded = torch.cat([F.pad(t, (0, width - t.numel())).expand(m, width) for t, m in tables])
+        return padded.to(self.device), torch.cat(lens).to(self.device)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         if self.tp is not None:  # the other ranks run the same step on their shares
