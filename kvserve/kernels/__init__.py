@@ -1,5 +1,5 @@
 """Optional C++ CPU kernels (the .cpp files here, one per op family; kernels.h declares them and
-their limits, api.py their Python signatures), built once per machine with torch's cpp_extension.
+their limits, api.py their Python signatures), built once per machine and checkout with torch's cpp_extension.
 
 They are used only where they can be: an x86 CPU with AVX512-BF16, a C++ compiler, and
 `KVSERVE_CPU_KERNELS` not set to 0. Anywhere else kvserve runs the plain-torch reference
@@ -83,12 +83,16 @@ def cpu_ops():
 
     from kvserve.paths import cache_root
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
+    # the sources' bytes and where they are: torch's build rewrites build.ninja with the source
+    # paths, so two checkouts sharing a build folder rebuilt it at every switch between them
+    # (a minute on 2 cores, every other start meanwhile waiting on the build's lock)
+    where = str(_SOURCES[0].parent.resolve()).encode()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + where).hexdigest()[:12]
     name = f"kvserve_cpu_ops_{digest}"
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
-        logger.warning("building kvserve CPU kernels (once per machine, ~30-60 s)")
+        logger.warning("building kvserve CPU kernels (once per machine and checkout, ~30-60 s)")
     _wait_for_other_builds(build_dir / "lock")
     try:
         return load(
