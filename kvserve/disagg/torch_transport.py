@@ -65,10 +65,9 @@ class TorchDistributedTransport(KVTransport):
 
     def __init__(self, listen: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self._connect_timeout = datetime.timedelta(seconds=connect_timeout_s)
-        self._arrived: dict[str, KVHandoff] = {}
-        self._broken: dict[str, str] = {}  # handoffs whose pair broke mid-way: transfer id -> why
+        # handoffs not taken yet: transfer id -> (when it came, the handoff, or why it broke off)
+        self._untaken: dict[str, tuple[float, KVHandoff | str]] = {}
         self._sinks: dict = {}  # transfer id -> the BlockSink of the request expecting it
-        self._since: dict[str, float] = {}  # when each untaken handoff (arrived or broken) came, for `sweep`
         self._failed_pairs = 0
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}  # sending side: address -> its pair
@@ -159,14 +158,12 @@ class TorchDistributedTransport(KVTransport):
             group.recv([meta_bytes], 1, 0).wait()
         except Exception as exc:  # the sender died mid-handoff: its request need not wait out the timeout
             with self._lock:
-                self._broken[transfer_id] = f"{type(exc).__name__}: {exc}"
-                self._since[transfer_id] = time.monotonic()
+                self._untaken[transfer_id] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
             raise
         meta = json.loads(bytes(meta_bytes.numpy()).decode())
         if meta.get("cancelled"):  # the prefill request was aborted mid-send
             with self._lock:
-                self._broken[transfer_id] = "the prefill request was aborted"
-                self._since[transfer_id] = time.monotonic()
+                self._untaken[transfer_id] = (time.monotonic(), "the prefill request was aborted")
             return
         logprobs = meta["first_logprobs"]
         handoff = KVHandoff(
@@ -178,32 +175,25 @@ class TorchDistributedTransport(KVTransport):
         with self._lock:
             if kv is None and self._sinks.get(transfer_id) is not sink:
                 return  # its request let the blocks go (aborted or failed) before the end: nobody takes it
-            self._arrived[transfer_id] = handoff
-            self._since[transfer_id] = time.monotonic()
+            self._untaken[transfer_id] = (time.monotonic(), handoff)
 
     def poll(self, transfer_id: str) -> KVHandoff | None:
         with self._lock:
-            broken = self._broken.pop(transfer_id, None)
-            if broken is not None or transfer_id in self._arrived:
-                self._since.pop(transfer_id, None)
-            if broken is not None:
-                raise KVTransferError(f"handoff {transfer_id} broke off: {broken}")
-            return self._arrived.pop(transfer_id, None)
+            _, taken = self._untaken.pop(transfer_id, (0.0, None))
+        if isinstance(taken, str):
+            raise KVTransferError(f"handoff {transfer_id} broke off: {taken}")
+        return taken
 
     def discard(self, transfer_id: str) -> None:
         with self._lock:
-            self._arrived.pop(transfer_id, None)
-            self._broken.pop(transfer_id, None)
-            self._since.pop(transfer_id, None)
+            self._untaken.pop(transfer_id, None)
 
     def sweep(self, older_than_s: float) -> int:
         now = time.monotonic()
         with self._lock:
-            stale = [tid for tid, since in self._since.items() if now - since > older_than_s]
+            stale = [tid for tid, (since, _) in self._untaken.items() if now - since > older_than_s]
             for tid in stale:
-                self._arrived.pop(tid, None)
-                self._broken.pop(tid, None)
-                del self._since[tid]
+                del self._untaken[tid]
         return len(stale)
 
     def expect(self, transfer_id: str, sink) -> None:

@@ -80,6 +80,9 @@ class KVTransport:
     def discard(self, transfer_id: str) -> None:
         """Forget a handoff nobody will take (its request was aborted)."""
 
+    def close(self) -> None:
+        """Let go of threads and connections (nothing to do for most transports)."""
+
     def sweep(self, older_than_s: float) -> int:
         """Forget handoffs that arrived more than `older_than_s` ago and were never taken (their
         decode request never came, or timed out first); how many. Called as requests poll."""
@@ -183,8 +186,7 @@ class FaultyTransport(KVTransport):
         return self.inner.address
 
     def close(self) -> None:
-        if hasattr(self.inner, "close"):
-            self.inner.close()
+        self.inner.close()
 
     def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
         if self.fail_send:

@@ -195,8 +195,8 @@ class Scheduler:
         if self.connector.request_waits(request):
             return "waits"
         if t.error is not None:
-            self.kv_cache.free(request)  # what arrived, if anything, nobody could find: it goes
             if self.connector.failure == "recompute" or t.must_recompute:
+                self.kv_cache.free(request)  # what arrived, if anything, nobody could find: it goes
                 t.recomputed = True
                 return "recompute"
             for other in [r for r in self.waiting if r.leader is request]:  # its other samples (n > 1) end with it

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvserve.router.first_token import FirstTokenSplice, early_eligible, first_chunks, first_text, first_text_is_whole
+from kvserve.router.first_token import FirstTokenSplice, early_eligible, first_chunks, first_text, first_text_is_whole, sse_event
 from kvserve.router.policy import Choice, Policy
 from kvserve.router.replicas import Replica, health_loop
 
@@ -260,7 +260,7 @@ def create_router_app(
                 err = json.loads(opened.body)
             except ValueError:
                 err = error_body(opened.body[:300].decode(errors="replace"), code="replica_failed")
-            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            yield sse_event(err) + b"data: [DONE]\n\n"
             return
         upstream, first_bytes, chunks, replica = opened
         splice = FirstTokenSplice(path, answer)
@@ -392,7 +392,7 @@ def create_router_app(
             replica.mark_down(f"{type(exc).__name__} mid-answer: {exc}")
             if streaming:
                 err = error_body(f"the replica serving this stream failed: {type(exc).__name__}", code="replica_failed")
-                yield f"data: {json.dumps(err)}\n\n".encode()
+                yield sse_event(err)
         finally:
             replica.in_flight -= 1
             await upstream.aclose()

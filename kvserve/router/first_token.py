@@ -41,7 +41,7 @@ def first_text_is_whole(text: str) -> bool:
     return not text.endswith("\ufffd")
 
 
-def _sse(data: dict) -> bytes:
+def sse_event(data: dict) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
 
@@ -52,12 +52,12 @@ def first_chunks(path: str, answer: dict) -> bytes:
     head = {"id": answer["id"], "created": answer["created"], "model": answer["model"]}
     if path.endswith("/chat/completions"):
         head["object"] = "chat.completion.chunk"
-        role = _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        role = sse_event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                           "finish_reason": None}]})  # fmt: skip
-        return role + _sse({**head, "choices": [{"index": 0, "delta": {"content": first_text(path, answer)},
+        return role + sse_event({**head, "choices": [{"index": 0, "delta": {"content": first_text(path, answer)},
                                                  "logprobs": choice.get("logprobs"), "finish_reason": None}]})  # fmt: skip
     head["object"] = "text_completion"
-    return _sse({**head, "choices": [{"index": 0, "text": first_text(path, answer), "logprobs": choice.get("logprobs"),
+    return sse_event({**head, "choices": [{"index": 0, "text": first_text(path, answer), "logprobs": choice.get("logprobs"),
                                       "finish_reason": None}]})  # fmt: skip
 
 
@@ -102,7 +102,7 @@ class FirstTokenSplice:
         if chunk["choices"] and not kept:
             return b""
         chunk["choices"] = kept
-        return _sse(chunk)
+        return sse_event(chunk)
 
     def _strip(self, choice: dict) -> bool:
         """Take the first token out of one choice's delta; whether anything is left to send."""

@@ -297,6 +297,6 @@ def test_handoffs_nobody_takes_are_swept(tiny_llama, tmp_path):
     assert not fresh.exists()
 
     torch_side = TorchDistributedTransport()
-    torch_side._broken["gone"], torch_side._since["gone"] = "the prefill request was aborted", time.monotonic() - 100
-    assert torch_side.sweep(50) == 1 and "gone" not in torch_side._broken
+    torch_side._untaken["gone"] = (time.monotonic() - 100, "the prefill request was aborted")
+    assert torch_side.sweep(50) == 1 and "gone" not in torch_side._untaken
     torch_side.close()
