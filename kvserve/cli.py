@@ -1,4 +1,4 @@
-"""The `kvserve` command: serve | chat | generate | bench | plan | router.
+"""The `kvserve` command: serve | chat | generate | bench | plan | router | sim.
 
 Each subcommand lives in its own module and registers itself through
 `register(subparsers)`; the parser sets `func`, which returns an exit status.
@@ -20,6 +20,7 @@ _SUBCOMMAND_MODULES = (
     "kvserve.bench.cli",  # bench latency | throughput | serve
     "kvserve.planner.cli",  # plan …
     "kvserve.router.cli",  # router
+    "kvserve.sim.cli",  # sim
 )
 
 

@@ -74,9 +74,11 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, connector=None):
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, connector=None, clock=time.monotonic):
         self.config = config
         self.kv_cache = kv_cache
+        # what "now" is for request timing: the wall clock, or the simulator's modelled time (kvserve/sim)
+        self.clock = clock
         # disagg/connector.py KVConnector: requests whose KV comes from another instance
         self.connector = connector
         self.waiting: deque[Request] = deque()
@@ -99,7 +101,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        now = time.monotonic()
+        now = self.clock()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -224,7 +226,7 @@ class Scheduler:
         num_rows = 0 if sampler_output is None else len(sampler_output.token_ids)
         if num_rows != len(sampling):
             raise ValueError(f"{num_rows} sampled tokens for {len(sampling)} sampling requests")
-        now = time.monotonic()
+        now = self.clock()
         for s in scheduler_output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         sampled: list[Request] = []
@@ -286,7 +288,7 @@ class Scheduler:
             except ValueError:
                 pass
         request.status = status
-        request.timing.finished = time.monotonic()
+        request.timing.finished = self.clock()
         if request.kv_transfer is not None and self.connector is not None:
             self.connector.request_released(request)  # before its blocks can go to anyone else
         self.kv_cache.free(request)

@@ -54,7 +54,8 @@ def register(subparsers) -> None:
     examples.add_argument("--json", action="store_true", help="print JSON instead of a table")
     examples.set_defaults(func=_examples)
 
-    calibrate = sub.add_parser("calibrate", help="measure this machine as the `local` chip")
+    calibrate = sub.add_parser("calibrate", help="measure this machine as the `local` chip (--engine: kvserve's own "
+                               "step times, fitted for `kvserve sim`)")
     calibrate.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     calibrate.add_argument("--read-mb", type=float, help="tensor summed for bandwidth, MiB (default 256 cpu, 2048 cuda)")
     calibrate.add_argument("--matmul-size", type=int, help="n of the n×n bf16 matmul (default 2048 cpu, 8192 cuda)")
@@ -62,10 +63,31 @@ def register(subparsers) -> None:
     calibrate.add_argument("--chip-cost-usd-per-hour", type=float, help="price to store with the measurement")
     calibrate.add_argument("--collectives", action=argparse.BooleanOptionalAction, default=True,
                            help="time a two-rank gloo AllReduce on this host for the TP link's α and bandwidth (default on)")
+    _add_engine_calibrate_flags(calibrate)
     calibrate.set_defaults(func=_calibrate)
 
     presets = sub.add_parser("presets", help="list model and chip presets")
     presets.set_defaults(func=_presets)
+
+
+def _add_engine_calibrate_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (with --engine)")
+    g.add_argument("--engine", action="store_true",
+                   help="time kvserve's own steps over a grid of shapes and fit the step model `kvserve sim` runs on, "
+                        "instead of the chip's roofline figures")
+    g.add_argument("--model", help="the model to run (default: SmolLM2-135M-Instruct), as kvserve serve takes it")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"])
+    g.add_argument("--kv-cache-memory", default="1GiB")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default, as kvserve serve)")
+    g.add_argument("--grid", choices=["full", "quick"], default="full",
+                   help="full: about two minutes on the default model; quick: a few seconds, for tests")
+    g.add_argument("--output", metavar="FILE", help="where to write the step model (default: kvserve's cache, where "
+                   "kvserve sim looks)")
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -220,7 +242,41 @@ def _examples(args) -> int:
     return 0 if all(e.match is not False for e in rows) else 1
 
 
+def _calibrate_engine(args) -> int:
+    from kvserve.config import EngineConfig
+    from kvserve.sim.calibrate import calibrate_engine
+    from kvserve.sim.measure import Grid
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, num_threads=args.threads,
+    )  # fmt: skip
+    grid = Grid.quick() if args.grid == "quick" else Grid()
+    model, errs, path = calibrate_engine(config, grid, args.output, progress=sys.stderr.isatty())
+    console = Console()
+    console.print(model.label, markup=False, highlight=False)
+    table = Table(title="fitted step model (seconds)", title_justify="left")
+    table.add_column("coefficient")
+    table.add_column("value", justify="right")
+    from kvserve.sim.step_model import COEFFICIENTS
+
+    for name in COEFFICIENTS:
+        table.add_row(name, f"{getattr(model, name):.4g}")
+    console.print(table)
+    table = Table(title="fit error |predicted/measured − 1|", title_justify="left")
+    for name in ("steps", "kind", "median", "worst"):
+        table.add_column(name)
+    for kind, e in errs.items():
+        table.add_row(str(e["steps"]), kind.replace("_", " "), f"{e['median']:.1%}", f"{e['max']:.1%}")
+    console.print(table)
+    print(f"wrote {path}; kvserve sim uses it")
+    return 0
+
+
 def _calibrate(args) -> int:
+    if args.engine:
+        return _calibrate_engine(args)
     from kvserve.planner.calibrate import calibrate
     from kvserve.planner.hardware import local_chip_path
     from kvserve.planner.quantity import show
