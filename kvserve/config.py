@@ -149,6 +149,9 @@ class EngineConfig:
     # kernel (one KV order, one softmax accumulation), every projection on a kernel whose sums
     # have one order for every row count, shared-prefix attention off (docs/deterministic.md)
     deterministic: bool = False
+    # a JSONL file to append every step's shape and duration to (kvserve/sim/step_log.py), for
+    # fitting the simulator's step model from real serving; None: not recorded
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)

@@ -80,6 +80,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="fewest requests sharing a prefix for it to be read once (default 16)",
     )
+    g.add_argument(
+        "--step-log",
+        metavar="FILE",
+        default=None,
+        help="append every step's shape and duration to FILE as JSON lines (what `kvserve plan calibrate --engine` "
+        "fits the simulator's step model from)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
@@ -110,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         shared_prefix_min_positions=getattr(args, "shared_prefix_min_positions", 1024),
         shared_prefix_min_group=getattr(args, "shared_prefix_min_group", 16),
         deterministic=getattr(args, "deterministic", False),
+        step_log=getattr(args, "step_log", None),
     )
     values.update(overrides)
     return EngineConfig(**values)

@@ -96,6 +96,10 @@ def register(subparsers) -> None:
 
     _register_structured(sub)
 
+    from kvserve.bench.sim_vs_real import register as _register_sim_vs_real
+
+    _register_sim_vs_real(sub)
+
 
 def _register_make_model(sub) -> None:
     from kvserve.bench.random_model import FORMATS, SHAPES

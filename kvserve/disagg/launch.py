@@ -49,9 +49,10 @@ def server_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def start_and_wait(cmd: list[str], log: Path, pattern: re.Pattern, timeout_s: float = 300) -> tuple[subprocess.Popen, re.Match]:
+def start_and_wait(cmd: list[str], log: Path, pattern: re.Pattern, timeout_s: float = 300,
+                   field: str = "disaggregation") -> tuple[subprocess.Popen, re.Match]:  # fmt: skip
     """Start a kvserve process with its output in `log`, and wait for the line saying where it
-    serves (`pattern`); a process that exits or takes longer is a ConfigError with its log."""
+    serves (`pattern`); a process that exits or takes longer is a ConfigError (naming `field`) with its log."""
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
@@ -63,7 +64,7 @@ def start_and_wait(cmd: list[str], log: Path, pattern: re.Pattern, timeout_s: fl
             break
         time.sleep(0.2)
     proc.kill()
-    raise ConfigError("disaggregation", f"{' '.join(cmd[2:5])} did not start; its log ({log}):\n{log.read_text()[-3000:]}")
+    raise ConfigError(field, f"{' '.join(cmd[2:5])} did not start; its log ({log}):\n{log.read_text()[-3000:]}")
 
 
 def run_disaggregated(args) -> int:

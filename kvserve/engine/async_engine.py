@@ -369,7 +369,9 @@ class AsyncLLMEngine:
             start = time.perf_counter()
             for out in self.engine.step():
                 self._deliver(out)
-            self.engine.record_step(time.perf_counter() - start)
+            if self.engine.step_log is not None:  # requests handled by the event loop while the step ran
+                arrivals = sum(1 for c in list(self._commands) if c[0] == "add")
+                self.engine.record_step(time.perf_counter() - start, arrivals)
 
     def _apply_commands(self) -> None:
         while self._commands:

@@ -256,6 +256,13 @@ class LLMEngine:
         self._children: dict[str, _Parent] = {}
         self.counters = EngineCounters()
         self._next_id = 0
+        # --step-log: each step's shape, read from the plan, and its duration (record_step)
+        self.step_log = None
+        self._step_shape = None
+        if config.step_log:
+            from kvserve.sim.step_log import StepLog
+
+            self.step_log = StepLog(config.step_log, self.describe_for_step_log())
 
     def _check_deterministic(self) -> None:
         """--deterministic holds only where every path a row can take sums in one order: the
@@ -340,6 +347,9 @@ class LLMEngine:
         if self._finalizer is not None:
             self._finalizer()
         self.tp = None
+        if self.step_log is not None:
+            self.step_log.close()
+            self.step_log = None
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -489,6 +499,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if self.step_log is not None:
+            self._step_shape = self._shape_of(plan)
         for r in plan.arrived:  # first tokens that came with their KV, and handoffs that failed
             self.counters.generation_tokens += r.num_output_tokens
             if r.is_finished:
@@ -525,6 +537,39 @@ class LLMEngine:
         # one output per user request that got a token (its n samples together)
         touched = {p.request_id: p for p in (self._children[r.request_id] for r in (*plan.arrived, *update.sampled))}
         return [self._emit(p) for p in touched.values()]
+
+    def _shape_of(self, plan: SchedulerOutput):
+        from kvserve.sim.step_shape import shape_of
+
+        if plan.is_empty:
+            return None
+        runner = self.runner
+        return shape_of(plan, self.config.block_size, runner.shared_prefix_rule if runner.shared_prefix_attention == "auto" else None)
+
+    def describe_for_step_log(self) -> dict:
+        """What a step model fitted from this engine's steps needs to know of it."""
+        arch, config = self.arch, self.config
+        context = arch.max_position_embeddings
+        if arch.sliding_window and arch.sliding_window < context:
+            context = arch.sliding_window
+        return {
+            "model": self.model_name, "num_layers": arch.num_layers, "d_model": arch.hidden_size,
+            "vocab_size": arch.vocab_size, "kv_bytes_per_position": self.layout.kv_bytes_per_position,
+            "model_len": config.max_model_len or context, "max_model_len": self.max_model_len,
+            "num_kv_positions": self.layout.num_tokens, "block_size": config.block_size,
+            "max_num_batched_tokens": config.max_num_batched_tokens, "dtype": str(config.torch_dtype).removeprefix("torch."),
+            "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+            "threads": torch.get_num_threads(),
+        }  # fmt: skip
+
+    def record_step(self, seconds: float, arrivals: int = 0) -> None:
+        """--step-log: the last step took `seconds` from its start to its outputs delivered (the
+        caller times it, since delivering is the caller's part), while `arrivals` new requests
+        were handled beside it; an empty step is not recorded."""
+        if self.step_log is not None and self._step_shape is not None:
+            shape = dataclasses.replace(self._step_shape, arrivals=arrivals) if arrivals else self._step_shape
+            self.step_log.record(shape, seconds)
+            self._step_shape = None
 
     def _start_handoffs(self, plan: SchedulerOutput) -> list[Request]:
         """Prefill requests whose prompt this step completes: their handoffs open now, and each

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 from kvserve.config import EngineConfig
@@ -47,11 +48,13 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         try:
             while self.engine.has_unfinished_requests():
+                start = time.perf_counter()
                 for out in self.engine.step():
                     if on_output:
                         on_output(out)
                     if out.finished:
                         final[out.request_id] = out
+                self.engine.record_step(time.perf_counter() - start)
         except BaseException:
             for request_id in ids:
                 if request_id not in final:

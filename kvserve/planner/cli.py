@@ -84,8 +84,11 @@ def _add_engine_calibrate_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default, as kvserve serve)")
+    g.add_argument("--in-process", action="store_true",
+                   help="time the engine alone in this process, instead of through a `kvserve serve` it starts "
+                        "(whose steps carry what serving adds: what kvserve sim must predict)")
     g.add_argument("--grid", choices=["full", "quick"], default="full",
-                   help="full: about two minutes on the default model; quick: a few seconds, for tests")
+                   help="full: about two minutes on the default model; quick: seconds, for tests")
     g.add_argument("--output", metavar="FILE", help="where to write the step model (default: kvserve's cache, where "
                    "kvserve sim looks)")
 
@@ -242,18 +245,33 @@ def _examples(args) -> int:
     return 0 if all(e.match is not False for e in rows) else 1
 
 
+def _engine_flags(args) -> list[str]:
+    """The engine flags of `plan calibrate --engine`, as `kvserve serve` takes them."""
+    flags = ["--device", args.device, "--dtype", args.dtype, "--quantization", args.quantization,
+             "--kv-cache-dtype", args.kv_cache_dtype, "--kv-cache-memory", str(args.kv_cache_memory),
+             "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--threads", str(args.threads)]  # fmt: skip
+    if args.model:
+        flags += ["--model", args.model]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    return flags
+
+
 def _calibrate_engine(args) -> int:
-    from kvserve.config import EngineConfig
-    from kvserve.sim.calibrate import calibrate_engine
+    from kvserve.sim.calibrate import calibrate_in_process, calibrate_through_server
     from kvserve.sim.measure import Grid
 
-    config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, num_threads=args.threads,
-    )  # fmt: skip
     grid = Grid.quick() if args.grid == "quick" else Grid()
-    model, errs, path = calibrate_engine(config, grid, args.output, progress=sys.stderr.isatty())
+    if args.in_process:
+        from kvserve.engine_args import add_engine_args, engine_config_from_args
+
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        config = engine_config_from_args(parser.parse_args(_engine_flags(args)))
+        model, errs, path = calibrate_in_process(config, grid, args.output, progress=sys.stderr.isatty())
+    else:
+        model, errs, path = calibrate_through_server(_engine_flags(args), grid, args.output, progress=sys.stderr.isatty())
     console = Console()
     console.print(model.label, markup=False, highlight=False)
     table = Table(title="fitted step model (seconds)", title_justify="left")

@@ -1,14 +1,22 @@
 """`kvserve plan calibrate --engine`: measure kvserve's steps on this machine and fit the step model.
 
-Loads the engine as `kvserve serve` would (same flags), times it over the grid (measure.py),
-fits the coefficients (step_model.fit) and saves them with what they were measured on and how
-well they fit: the error on the fitted steps per kind, and on held-out shapes the fit never
-saw. The samples are kept in the file, so a refit needs no new measurement.
+Two ways to measure, the same grid of shapes (measure.Grid) and the same fit:
+- through the server (the default): a `kvserve serve --step-log` with the engine flags
+  given, driven by streamed requests (measure_server.py). The step times include what serving
+  adds, which is what the simulator must predict: on 2 cores, delivering tokens to the HTTP
+  streams and the event loop's share of the cores made a batch-1 decode step ~1.4x the
+  engine's alone.
+- in process (`--in-process`): the engine alone (measure.py), for the engine's own costs.
+
+The file keeps the coefficients, what they were measured on, the fit's error on the fitted
+steps per kind and on held-out shapes the fit never saw, and the samples, so a refit needs
+no new measurement.
 """
 
 from __future__ import annotations
 
 import platform
+import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -16,7 +24,7 @@ from kvserve.sim.measure import Grid, Sample, measure, num_points
 from kvserve.sim.step_model import StepTimeModel, default_model_path, errors, fit
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -26,9 +34,25 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def calibrate_engine(config, grid: Grid = Grid(), output: str | Path | None = None, progress: bool = False,
-                     seed: int = 0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
-    """Measure the engine `config` describes; returns (model, its errors, the file written)."""
+def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: dict,
+                  request_overhead: float = 0.0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
+    model = fit(
+        samples, label=f"fitted: kvserve {how} on {cpu_name()} ({engine['model']}, {engine['threads']} threads)",
+        model_name=engine["model"], num_layers=engine["num_layers"], d_model=engine["d_model"],
+        kv_bytes_per_position=float(engine["kv_bytes_per_position"]), model_len=int(engine["model_len"]),
+        request_overhead=request_overhead,
+    )  # fmt: skip
+    errs = errors(model, samples)
+    meta = {"measured_at": datetime.now(timezone.utc).isoformat(), "cpu": cpu_name(), "measured": how,
+            "engine": {k: v for k, v in engine.items() if k != "kvserve_step_log"}, **extra, "errors": errs,
+            "samples": [s.as_dict() for s in samples]}  # fmt: skip
+    described = StepTimeModel(**{**model.__dict__, "meta": meta})
+    return described, errs, described.save(output or default_model_path())
+
+
+def calibrate_in_process(config, grid: Grid = Grid(), output: str | Path | None = None, progress: bool = False,
+                         seed: int = 0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
+    """The engine `config` describes, timed in this process; returns (model, its errors, the file)."""
     from tqdm import tqdm
 
     from kvserve.engine.engine import LLMEngine
@@ -37,44 +61,33 @@ def calibrate_engine(config, grid: Grid = Grid(), output: str | Path | None = No
     try:
         with tqdm(total=num_points(grid), desc="timing engine steps", unit="shape", disable=not progress, leave=False) as bar:
             samples = measure(engine, grid, seed=seed, progress=lambda: bar.update(1))
-        arch = engine.arch
-        model = fit(
-            samples, label=f"fitted: kvserve on {_cpu_name()} ({engine.model_name})", model_name=engine.model_name,
-            num_layers=arch.num_layers, d_model=arch.hidden_size, kv_bytes_per_position=float(engine.layout.kv_bytes_per_position),
-            model_len=_model_len(config, arch),
-        )  # fmt: skip
-        errs = errors(model, samples)
-        described = StepTimeModel(**{**model.__dict__, "meta": {
-            "measured_at": datetime.now(timezone.utc).isoformat(), "cpu": _cpu_name(), "torch_threads": _threads(),
-            "engine": {"model": engine.model_name, "dtype": str(config.torch_dtype).removeprefix("torch."),
-                       "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
-                       "block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens},
-            "errors": errs, "samples": [s.as_dict() for s in samples],
-        }})  # fmt: skip
+        described = engine.describe_for_step_log()
     finally:
         engine.close()
-    path = described.save(output or default_model_path())
-    return described, errs, path
+    return _fit_and_save(samples, described, "in process", output, {})
 
 
-def _model_len(config, arch) -> int:
-    """The context before the pool caps it (the simulator applies its own pool), as the engine takes it."""
-    if config.max_model_len:
-        return config.max_model_len
-    if arch.sliding_window and arch.sliding_window < arch.max_position_embeddings:
-        return arch.sliding_window
-    return arch.max_position_embeddings
+def calibrate_through_server(engine_flags: list[str], grid: Grid = Grid(), output: str | Path | None = None,
+                             progress: bool = False, seed: int = 0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
+    """A `kvserve serve` with `engine_flags`, timed through its step log; returns (model, errors, file)."""
+    from tqdm import tqdm
 
+    from kvserve.sim.measure_server import measure_through_server
 
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+    with tqdm(total=num_points(grid), desc="timing served steps", unit="shape", disable=not progress, leave=False) as bar:
+        samples, found = measure_through_server(engine_flags, grid, seed=seed, progress=lambda: bar.update(1))
+    overheads = found["request_overheads_s"]
+    extra = {"engine_flags": engine_flags, "step_log": found["step_log"], "warm_up_steps": found["warm_up_steps"],
+             "request_overheads_s": overheads}  # fmt: skip
+    # the median: a request that met a noisy step says little of the HTTP path's own time
+    overhead = max(0.0, statistics.median(overheads)) if overheads else 0.0
+    return _fit_and_save(samples, found["engine"], "through its server", output, extra, overhead)
 
 
 def refit(model: StepTimeModel) -> StepTimeModel:
     """The same samples fitted again (after a change to the fit), keeping the description."""
     samples = [Sample.from_dict(d) for d in model.meta.get("samples", [])]
-    fields = {k: getattr(model, k) for k in ("label", "model_name", "num_layers", "d_model", "kv_bytes_per_position", "model_len")}
+    fields = {k: getattr(model, k) for k in ("label", "model_name", "num_layers", "d_model", "kv_bytes_per_position", "model_len",
+                                             "request_overhead")}  # fmt: skip
     again = fit(samples, **fields)
     return StepTimeModel(**{**again.__dict__, "meta": {**model.meta, "errors": errors(again, samples)}})

@@ -107,6 +107,8 @@ class SimInstance:
         ) if config.shared_prefix_attention == "auto" else None  # fmt: skip
         self.step: SchedulerOutput | None = None  # the step in flight
         self.step_started = 0.0
+        self.step_ends = 0.0
+        self.step_version = 0  # moves on when the step in flight is lengthened (a request arrived meanwhile)
         self.busy_s = 0.0
         self.steps = 0
         self.max_running = 0
@@ -134,9 +136,15 @@ class SimInstance:
             return plan.arrived, None, None
         shape = shape_of(plan, self.config.block_size, self.rule)
         seconds = self.tp.step_s(self.model, shape)
-        self.step, self.step_started = plan, now
+        self.step, self.step_started, self.step_ends = plan, now, now + seconds
+        self.step_version += 1
         self.max_running = max(self.max_running, len(self.scheduler.running))
         return plan.arrived, seconds, shape
+
+    def lengthen_step(self, seconds: float) -> None:
+        """A request arrived while the step runs: the server's event loop takes its share of the cores."""
+        self.step_ends += seconds
+        self.step_version += 1
 
     def finish_step(self, now: float) -> StepUpdate:
         plan, self.step = self.step, None

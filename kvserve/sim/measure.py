@@ -38,6 +38,9 @@ class Grid:
     # not fitted: (R, S, T), T = 0 a decode point, R = 0 a prompt of T over S cached
     held_out: tuple[tuple[int, int, int], ...] = ((0, 0, 384), (0, 512, 192), (24, 768, 0), (6, 128, 0), (4, 384, 128),
                                                   (24, 128, 384))  # fmt: skip
+    # through the server only: requests arriving while it computes (their HTTP handling shares the
+    # cores): (requests, mean gap s, prompt lo, hi, output lo, hi), Poisson
+    arrivals: tuple[int, float, int, int, int, int] = (48, 0.15, 32, 512, 16, 96)
     repeats: int = 3
     decode_steps: int = 4  # timed steps per decode point, after the prompts are in
 
@@ -45,8 +48,8 @@ class Grid:
     def quick(cls) -> "Grid":
         """A small grid for tests: seconds, not minutes."""
         return cls(prefill_tokens=(16, 64, 160), prefill_cached=(0, 64), decode_rows=(1, 4, 12), decode_context=(32, 96),
-                   mixed=((4, 48, 64), (8, 32, 32)), held_out=((0, 0, 48), (6, 40, 0), (3, 40, 40)), repeats=2,
-                   decode_steps=2)  # fmt: skip
+                   mixed=((4, 48, 64), (8, 32, 32)), held_out=((0, 0, 48), (6, 40, 0), (3, 40, 40)),
+                   arrivals=(8, 0.05, 16, 64, 4, 12), repeats=2, decode_steps=2)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +145,7 @@ def measure(engine, grid: Grid = Grid(), seed: int = 0, progress=None) -> list[S
 def num_points(grid: Grid) -> int:
     """Grid points, for a progress bar (some may be skipped where the engine's pool is small)."""
     return len(grid.prefill_cached) * len(grid.prefill_tokens) + len(grid.decode_context) * len(grid.decode_rows) \
-        + len(grid.mixed) + len(grid.held_out)  # fmt: skip
+        + len(grid.mixed) + len(grid.held_out) + 1  # fmt: skip
 
 
 def _prefill_point(engine, timed: _Timed, rng, s0: int, t: int, grid: Grid, vocab: int, exclude, held_out: bool) -> Sample:

@@ -2,7 +2,9 @@
 
 Events on one modelled clock: a request arrives at the router; an instance's step ends; a
 handoff has crossed the link. An idle instance with work schedules a step at once (its
-real Scheduler decides what runs) and is busy for the step model's time.
+real Scheduler decides what runs) and is busy for the step model's time. A request reaches
+the router the step model's `request_overhead` after it is sent (what the HTTP path costs,
+measured through the server), and its latencies count from the send, as a client's do.
 
 Deployments:
 - `replicas` colocated instances behind the router's own policy object (router/policy.py:
@@ -161,8 +163,8 @@ class _Run:
         self._owner: dict[str, tuple[SimInstance, ...]] = {}
         self._handoffs: dict[str, tuple[SimInstance, SimRequest]] = {}  # prefill request id -> (decode instance, request)
         self.handoff_bytes = 0
-        for r in requests:
-            self._push(r.arrival_s, self._arrive, r)
+        for r in requests:  # a request reaches the router the model's request overhead after it was sent
+            self._push(r.arrival_s + sim.model.request_overhead, self._arrive, r)
 
     def _push(self, when: float, fn, *args) -> None:
         heapq.heappush(self._events, (when, next(self._seq), fn, args))
@@ -205,6 +207,7 @@ class _Run:
             trace.instance = f"{p.name} → {dec.name}"
             for inst in (p, dec):
                 self._fronts[inst.name].in_flight += 1
+                self._lengthen(inst)
             self._poke(dec)
             self._poke(p)
         else:
@@ -215,7 +218,15 @@ class _Run:
             self._owner[r.request_id] = (inst,)
             trace.instance = inst.name
             self._fronts[inst.name].in_flight += 1
+            self._lengthen(inst)
             self._poke(inst)
+
+    def _lengthen(self, inst: SimInstance) -> None:
+        """A request taken in while a step runs slows that step (the step model's `per_arrival`)."""
+        cost = self.sim.model.per_arrival
+        if inst.busy and cost > 0:
+            inst.lengthen_step(cost)
+            self._push(inst.step_ends, self._step_done, inst, inst.step_version)
 
     def _admissible(self, r: SimRequest, trace: RequestTrace, instances) -> bool:
         """The server's check_prompt_length: a prompt the engine cannot hold is refused (a 400)."""
@@ -241,7 +252,7 @@ class _Run:
             if request.is_finished:
                 self._finished(inst, request)
         if seconds is not None:
-            self._push(self.now + seconds, self._step_done, inst)
+            self._push(inst.step_ends, self._step_done, inst, inst.step_version)
             if inst.role == "prefill":
                 self._start_handoffs(inst, seconds)
 
@@ -260,7 +271,9 @@ class _Run:
         dec.connector.deliver(transfer_id)
         self._poke(dec)
 
-    def _step_done(self, inst: SimInstance) -> None:
+    def _step_done(self, inst: SimInstance, version: int) -> None:
+        if version != inst.step_version:  # lengthened since: a later event ends it
+            return
         update = inst.finish_step(self.now)
         for request in update.finished:
             self._finished(inst, request)

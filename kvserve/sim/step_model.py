@@ -5,6 +5,7 @@
                          + per_mixed_prefill_token·T_p if R_d > 0)       projections
       + per_decode_kv·KV_d + per_prefill_kv·KV_p + per_pair·pairs       attention
       + per_sample·rows sampled                                          LM head and sampling
+      + per_arrival·requests arriving meanwhile                         serving (the event loop's share)
 
 Two ways to get the coefficients, labelled in the model's `source`:
 - `fit`: measured on this machine by `kvserve plan calibrate --engine` (measure.py), each
@@ -36,8 +37,8 @@ from kvserve.sim.step_shape import StepShape
 
 MODEL_VERSION = 1
 COEFFICIENTS = ("fixed", "per_row", "per_decode_row", "per_prefill_token", "per_mixed_prefill_token", "per_decode_kv",
-                "per_prefill_kv", "per_pair", "per_sample")  # fmt: skip
-GROUPS = ("fixed", "projections", "attention", "lm_head")
+                "per_prefill_kv", "per_pair", "per_sample", "per_arrival")  # fmt: skip
+GROUPS = ("fixed", "projections", "attention", "lm_head", "serving")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,12 @@ class StepTimeModel:
     per_decode_kv: float = 0.0  # s per KV position a decode row's attention reads
     per_prefill_kv: float = 0.0  # s per KV position a prompt chunk's attention reads
     per_pair: float = 0.0  # s per (query, key) pair of a chunk's causal attention
-    per_sample: float = 0.0  # s per row through the LM head and sampler
+    per_sample: float = 0.0  # s per row through the LM head and sampler (through the server: and its delivery)
+    per_arrival: float = 0.0  # s a step is slowed per request the server takes in meanwhile
     weight_read: float = 0.0  # s: the projections' floor, reading every weight once
+    # s from a client sending a request to its first token, beyond the steps: HTTP in, admission,
+    # the first token's way out (measured through the server; 0 for the engine alone)
+    request_overhead: float = 0.0
     source: str = "fit"  # fit | datasheet
     label: str = ""  # where the figures came from, for reports
     model_name: str = ""
@@ -62,7 +67,7 @@ class StepTimeModel:
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        for name in (*COEFFICIENTS, "weight_read"):
+        for name in (*COEFFICIENTS, "weight_read", "request_overhead"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError("step model", f"{name} must be a finite number >= 0, got {value!r}")
@@ -79,10 +84,22 @@ class StepTimeModel:
             "attention": self.per_decode_kv * s.decode_kv_positions + self.per_prefill_kv * s.prefill_kv_positions
             + self.per_pair * s.prefill_pairs,
             "lm_head": self.per_sample * s.sample_rows,
+            "serving": self.per_arrival * s.arrivals,
         }
 
     def step_s(self, shape: StepShape) -> float:
         return sum(self.groups(shape).values())
+
+    def scaled(self, decode: float, prefill: float | None = None) -> "StepTimeModel":
+        """The same machine found slower (> 1) or faster now, as probes measured in the same
+        sitting say (bench sim-vs-real): the per-step and per-row costs × `decode`, the prompt
+        positions' costs and the request overhead × `prefill` (default: `decode`). Two factors,
+        since a neighbour's load slows memory-bound decoding and compute-bound prefill unequally."""
+        prefill = decode if prefill is None else prefill
+        if not (decode > 0 and prefill > 0):
+            raise ConfigError("step model", f"scale factors must be > 0, got {decode} and {prefill}")
+        return dataclasses.replace(self, **{k: getattr(self, k) * (prefill if k in _PREFILL_COSTS else decode)
+                                            for k in (*COEFFICIENTS, "weight_read", "request_overhead")})
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -101,6 +118,9 @@ class StepTimeModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
         return path
+
+
+_PREFILL_COSTS = ("per_prefill_token", "per_mixed_prefill_token", "per_prefill_kv", "per_pair", "request_overhead")
 
 
 def default_model_path() -> Path:
@@ -123,7 +143,7 @@ def load_step_model(path: str | Path | None = None) -> StepTimeModel:
 def _features(shape: StepShape) -> list[float]:
     s = shape
     return [1.0, s.rows, s.decode_rows, s.prefill_tokens, s.mixed_prefill_tokens, s.decode_kv_positions,
-            s.prefill_kv_positions, s.prefill_pairs, s.sample_rows]  # fmt: skip
+            s.prefill_kv_positions, s.prefill_pairs, s.sample_rows, s.arrivals]  # fmt: skip
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -202,4 +222,4 @@ class TensorParallel:
         work = (g["projections"] + g["attention"] + g["lm_head"]) / self.size
         comm = tp_comm_s_per_step(model.num_layers, self.size, shape.tokens, model.d_model, self.bytes_per_activation,
                                   self.link_bytes_per_s, self.link_latency_s)  # fmt: skip
-        return g["fixed"] + work + comm
+        return g["fixed"] + g["serving"] + work + comm

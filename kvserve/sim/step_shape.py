@@ -23,6 +23,9 @@ class StepShape:
     decode_kv_positions: int = 0  # KV positions the decode rows' attention reads (after shared-prefix reads)
     prefill_pairs: int = 0  # (query, key) pairs of the chunks' attention: Σ m·S0 + m(m+1)/2
     prefill_kv_positions: int = 0  # KV positions the chunks' attention reads: Σ S0 + m (after shared reads)
+    # not the step's own work: requests the server's event loop took in while the step ran
+    # (parsing, validating, opening their streams), on the cores the step computes on
+    arrivals: int = 0
 
     @property
     def mixed_prefill_tokens(self) -> int:

@@ -1,0 +1,169 @@
+"""Time kvserve's steps through its own server: the grid of measure.py, sent as HTTP requests.
+
+A `kvserve serve --step-log FILE` starts on a loopback port with the engine flags given; the
+grid's shapes are made by streamed completions (random token ids, ignore_eos), as real
+clients stream them; the server logs every step it runs with its shape and its duration up to
+its outputs delivered (step_log.py). Every logged step is a sample: what serving adds to a
+step (the event loop's share of the cores, delivering each token to its stream) is in it, as
+it is in every latency a client measures. The phases' lines in the log say which steps were
+warm-up (dropped), fitted, or held out.
+
+Shapes come about as the scheduler makes them: R requests sent together prefill in one or
+more steps, then decode together; a chunk sent while they decode shares their steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvserve.bench.serve_client import completion_payload, send_completion
+from kvserve.errors import ConfigError
+from kvserve.sim.measure import Grid, Sample
+from kvserve.sim.step_log import read_step_log
+
+_SERVING = re.compile(r"serving (\S+) at (http://\S+)/v1")
+
+
+class _Client:
+    def __init__(self, base: str, model: str, vocab: int, seed: int):
+        self.url, self.model, self.vocab = base + "/completions", model, vocab
+        self.rng = np.random.default_rng(seed)
+
+    def ids(self, n: int) -> list[int]:
+        return self.rng.integers(1, self.vocab, size=n).tolist()
+
+    async def one(self, client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> float:
+        """Its TTFT as this client saw it."""
+        record = await send_completion(client, self.url, completion_payload(self.model, prompt, max_tokens), len(prompt))
+        if record.ok:
+            return record.ttft_s
+        if record.e2e_s is not None and record.output_tokens >= 1:  # its tokens made no text (a partial character)
+            return record.e2e_s
+        raise ConfigError("calibrate", f"a calibration request failed: {record.error}")
+
+    async def together(self, client, prompts: list[list[int]], max_tokens: int) -> None:
+        await asyncio.gather(*(self.one(client, p, max_tokens) for p in prompts))
+
+
+async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int, progress) -> tuple[int, int, list[float]]:
+    """Every grid point through the server; returns the logged steps' counts where the fitted
+    phase starts and where the held-out phase starts, and the request overheads: for each
+    prompt sent alone to an idle server, its TTFT at the client less its one step in the log."""
+    c = client_
+    steps_per_point = grid.decode_steps * (grid.repeats + 1)
+
+    def lines() -> int:
+        return len(read_step_log(log)[1])
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as client:
+        await c.together(client, [c.ids(64), c.ids(64)], 8)  # warm-up: the first steps of a fresh server
+        fitted_from = lines()
+
+        ttfts: list[float] = []  # of the prefill phase's requests, one step each, in the log's order
+
+        async def prefill(s0: int, t: int) -> None:
+            if s0 + t + 1 > limit or t > limit:
+                return
+            for _ in range(grid.repeats):
+                prefix = c.ids(s0)
+                if s0:
+                    ttfts.append(await c.one(client, prefix + c.ids(1), 1))
+                ttfts.append(await c.one(client, prefix + c.ids(t), 1))
+
+        async def decode(rows: int, context: int, chunk: int) -> None:
+            if rows * (context + steps_per_point + 8) + chunk > pool or rows + chunk > limit:
+                return
+            batch = asyncio.create_task(c.together(client, [c.ids(context) for _ in range(rows)], steps_per_point))
+            try:
+                if chunk:
+                    await asyncio.sleep(0.05)  # their prompts in: the chunks then share decode steps
+                    for _ in range(grid.repeats + 1):
+                        if batch.done():
+                            break
+                        await c.one(client, c.ids(chunk), 1)
+            finally:
+                await batch
+
+        async def arrivals() -> None:
+            n, gap, p_lo, p_hi, o_lo, o_hi = grid.arrivals
+            sent = []
+            for _ in range(n):
+                await asyncio.sleep(float(c.rng.exponential(gap)))
+                prompt = c.ids(min(int(c.rng.integers(p_lo, p_hi + 1)), limit - o_hi - 1))
+                sent.append(asyncio.create_task(c.one(client, prompt, int(c.rng.integers(o_lo, o_hi + 1)))))
+            await asyncio.gather(*sent)
+            if progress is not None:
+                progress()
+
+        async def point(rows: int, context: int, chunk: int) -> None:
+            await (prefill(context, chunk) if rows == 0 else decode(rows, context, chunk))
+            if progress is not None:
+                progress()
+
+        for s0 in grid.prefill_cached:
+            for t in grid.prefill_tokens:
+                await point(0, s0, t)
+        steps = read_step_log(log)[1][fitted_from:]
+        overheads = [ttft - step.seconds for ttft, step in zip(ttfts, steps)] if len(steps) == len(ttfts) else []
+        for s in grid.decode_context:
+            for r in grid.decode_rows:
+                await point(r, s, 0)
+        for r, s, t in grid.mixed:
+            await point(r, s, t)
+        await arrivals()
+        held_from = lines()
+        for r, s, t in grid.held_out:
+            await point(r, s, t)
+    return fitted_from, held_from, overheads
+
+
+def start_server(engine_flags: list[str], log: Path, timeout_s: float = 300.0, what: str = "calibrate") -> tuple[subprocess.Popen, str, str]:
+    """`kvserve serve` on a free loopback port with `engine_flags`; (process, base URL, model name)."""
+    from kvserve.disagg.launch import start_and_wait
+
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", "0", *engine_flags]
+    proc, match = start_and_wait(cmd, log, _SERVING, timeout_s, field=what)
+    return proc, match.group(2) + "/v1", match.group(1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def measure_through_server(engine_flags: list[str], grid: Grid = Grid(), seed: int = 0, progress=None,
+                           workdir: Path | None = None) -> tuple[list[Sample], dict]:  # fmt: skip
+    """The server's logged steps as samples (held-out ones marked), and the engine's own
+    description from the log's header (model, c_kv, context, ...), with where the logs are."""
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="kvserve-calibrate-"))
+    log = workdir / "steps.jsonl"
+    log.unlink(missing_ok=True)
+    proc, base, model = start_server([*engine_flags, "--step-log", str(log)], workdir / "server.log")
+    try:
+        started = time.perf_counter()
+        header, _ = read_step_log(log)
+        client = _Client(base, model, min(header["vocab_size"], 32000), seed)  # ids of ordinary tokens in most vocabularies
+        limit = min(header["max_model_len"], header["max_num_batched_tokens"])
+        fitted_from, held_from, overheads = asyncio.run(
+            _drive(client, grid, log, limit, min(header["num_kv_positions"], grid.max_decode_positions), progress)
+        )
+        seconds = time.perf_counter() - started
+    finally:
+        stop_server(proc)
+    header, samples = read_step_log(log)
+    out = samples[fitted_from:held_from] + [Sample(s.kind, s.shape, s.seconds, held_out=True) for s in samples[held_from:]]
+    return out, {"engine": header, "step_log": str(log), "server_log": str(workdir / "server.log"),
+                 "warm_up_steps": fitted_from, "seconds": seconds, "request_overheads_s": overheads}  # fmt: skip
