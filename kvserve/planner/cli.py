@@ -1,4 +1,4 @@
-"""`kvserve plan …`: run | examples | calibrate | presets.
+"""`kvserve plan …`: run | examples | calibrate | check-sim | presets.
 
 Flags take convenient units named in the flag (`--step-target-ms`, `--hbm-gb`); they
 are converted once here to the API's base units (seconds, bytes). A bad value comes
@@ -65,6 +65,12 @@ def register(subparsers) -> None:
                            help="time a two-rank gloo AllReduce on this host for the TP link's α and bandwidth (default on)")
     _add_engine_calibrate_flags(calibrate)
     calibrate.set_defaults(func=_calibrate)
+
+    check = sub.add_parser("check-sim", help="the plan's step time and stage rates against the simulator at saturation "
+                           "(same inputs, same roofline): the two tools must agree")
+    _add_run_flags(check)
+    check.add_argument("--requests", type=int, help="requests per simulated run (default max(4·B, 64))")
+    check.set_defaults(func=_check_sim)
 
     presets = sub.add_parser("presets", help="list model and chip presets")
     presets.set_defaults(func=_presets)
@@ -307,6 +313,27 @@ def _calibrate(args) -> int:
     print(f"TP link: α {chip.link_latency_s * 1e6:.1f} µs, {show(chip.link_bytes_per_s, 'B/s')}"
           f"{' (a two-rank gloo AllReduce on this host)' if args.collectives else ' (assumed: memory bandwidth)'}")
     print(f"wrote {local_chip_path()}; use it with --chip local")
+    return 0
+
+
+def _check_sim(args) -> int:
+    from kvserve.sim.check_plan import check
+
+    if args.requests is not None and args.requests < 2:
+        raise ConfigError("--requests", f"must be >= 2, got {args.requests}")
+    rows = check(build_inputs(args), args.requests)
+    if args.json:
+        import json
+
+        print(json.dumps([{"quantity": r.quantity, "planner": r.planner, "simulator": r.simulator, "unit": r.unit,
+                           "difference": r.difference, "note": r.note} for r in rows], indent=2))  # fmt: skip
+        return 0
+    table = Table(title="plan run (closed form) against kvserve sim (saturated, the same roofline)", title_justify="left")
+    for name in ("quantity", "planner", "simulator", "difference", "how the simulator ran"):
+        table.add_column(name)
+    for r in rows:
+        table.add_row(r.quantity, f"{r.planner:.4g} {r.unit}", f"{r.simulator:.4g} {r.unit}", f"{r.difference:+.1%}", r.note)
+    Console().print(table)
     return 0
 
 

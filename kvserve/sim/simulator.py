@@ -15,7 +15,7 @@ Deployments:
   scheduler's connector path). A prefill instance's handoff starts on its link when the
   step that completes the prompt starts (the transport sends layer by layer while the
   forward pass runs) and arrives after bytes/bandwidth + latency, and no earlier than that
-  step's end. Each prefill instance has its own link, one handoff at a time. The user's
+  step's end. The pools share one link, one handoff at a time (the planner's network stage). The user's
   first token comes from the prefill answer (the router streams it), the rest from decode.
 - `tensor_parallel`: each instance is a TP group (step_model.TensorParallel).
 """
@@ -41,7 +41,7 @@ class Deployment:
     policy: str = "round-robin"
     prefill: int = 0  # instances in the prefill pool
     decode: int = 0  # instances in the decode pool
-    handoff_bytes_per_s: float = 10e9  # each prefill instance's link to the decode pool
+    handoff_bytes_per_s: float = 10e9  # the link between the pools (one handoff at a time)
     handoff_latency_s: float = 0.0
     instance: InstanceSpec = InstanceSpec()
     tensor_parallel: TensorParallel = TensorParallel()
@@ -117,17 +117,18 @@ class SimRun:
     instances: list[SimInstance]
     end_s: float  # when the last request finished
     handoff_bytes: int = 0
-    steps_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps: list[tuple[str, object, float]] = dataclasses.field(default_factory=list)  # with record_steps
 
 
 class Simulator:
-    def __init__(self, deployment: Deployment, model: StepTimeModel):
+    def __init__(self, deployment: Deployment, model: StepTimeModel, record_steps: bool = False):
         if not model.kv_bytes_per_position > 0 or model.model_len < 2:
             raise ConfigError("step model", "it names no KV bytes per position or context length (rerun the calibration)")
         self.deployment = deployment
         self.model = model
         self.kv_bytes_per_position = model.kv_bytes_per_position
         self.model_len = model.model_len
+        self.record_steps = record_steps  # keep every step's (instance, shape, seconds) in the run
 
     def run(self, requests: list[SimRequest], progress: Callable[[], None] | None = None) -> SimRun:
         return _Run(self, requests, progress).run()
@@ -157,12 +158,13 @@ class _Run:
         self._fronts = {inst.name: Replica(f"sim://{inst.name}", i, pool=inst.role) for i, inst in enumerate(self.instances)}
         self._policy = Policy(self.d.policy if not self.d.disaggregated else "least-loaded")
         self._decode_policy = Policy("least-loaded")
-        self._link_free = {inst.name: 0.0 for inst in self.instances}
+        self._link_free = 0.0
         self.traces = {r.request_id: RequestTrace(r.request_id, r.arrival_s, len(r.prompt)) for r in requests}
         self._outputs = {r.request_id: r.output_len for r in requests}
         self._owner: dict[str, tuple[SimInstance, ...]] = {}
         self._handoffs: dict[str, tuple[SimInstance, SimRequest]] = {}  # prefill request id -> (decode instance, request)
         self.handoff_bytes = 0
+        self.steps: list = []
         for r in requests:  # a request reaches the router the model's request overhead after it was sent
             self._push(r.arrival_s + sim.model.request_overhead, self._arrive, r)
 
@@ -179,7 +181,7 @@ class _Run:
                 raise RuntimeError(f"simulation ended with work left on {inst.name}")
         traces = list(self.traces.values())
         end = max((t.finished_s for t in traces if t.finished_s is not None), default=0.0)
-        return SimRun(self.d, traces, self.instances, end, self.handoff_bytes)
+        return SimRun(self.d, traces, self.instances, end, self.handoff_bytes, self.steps)
 
     # ---- the router ----------------------------------------------------------------------
 
@@ -247,12 +249,14 @@ class _Run:
         """An idle instance with work starts a step now."""
         if inst.busy:
             return
-        arrived, seconds, _ = inst.start_step(self.now)
+        arrived, seconds, shape = inst.start_step(self.now)
         for request in arrived:  # a decode request's first token came with its KV, or its handoff failed
             if request.is_finished:
                 self._finished(inst, request)
         if seconds is not None:
             self._push(inst.step_ends, self._step_done, inst, inst.step_version)
+            if self.sim.record_steps:
+                self.steps.append((inst.name, shape, seconds))
             if inst.role == "prefill":
                 self._start_handoffs(inst, seconds)
 
@@ -261,9 +265,9 @@ class _Run:
             if s.samples and s.request.request_id in self._handoffs:
                 dec, r = self._handoffs[s.request.request_id]
                 nbytes = len(r.prompt) * self.sim.kv_bytes_per_position
-                start = max(self.now, self._link_free[inst.name])
-                self._link_free[inst.name] = start + nbytes / self.d.handoff_bytes_per_s
-                arrives = max(self._link_free[inst.name], self.now + seconds) + self.d.handoff_latency_s
+                start = max(self.now, self._link_free)
+                self._link_free = start + nbytes / self.d.handoff_bytes_per_s
+                arrives = max(self._link_free, self.now + seconds) + self.d.handoff_latency_s
                 self.handoff_bytes += int(nbytes)
                 self._push(arrives, self._handoff_arrives, dec, r.request_id)
 
