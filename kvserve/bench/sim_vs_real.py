@@ -170,8 +170,11 @@ def run(args) -> int:
 
     if args.num_prompts < 1:
         raise BenchError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    from kvserve.bench.machine import contention_before_run
+
     scenarios = [SCENARIOS[s] for s in (args.scenario or list(SCENARIOS))]
     console = Console()
+    before = contention_before_run()
     if args.step_model:
         model = load_step_model(args.step_model)
     else:
@@ -221,7 +224,12 @@ def run(args) -> int:
             stop_server(proc)
     _render(results, model, console)
     if args.json:
-        Path(args.json).write_text(json.dumps({"step_model": model.as_dict(), "results": results}, indent=2) + "\n")
+        from kvserve.bench.machine import envelope
+
+        step_model = {k: v for k, v in model.as_dict().items() if k != "meta"}
+        step_model["meta"] = {k: v for k, v in model.meta.items() if k != "samples"}  # the samples stay in the model file
+        data = envelope("sim-vs-real", vars(args), {"step_model": step_model, "results": results}, before)
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
         console.print(f"wrote {args.json}", highlight=False)
     return 0
 

@@ -553,7 +553,7 @@ class LLMEngine:
         if arch.sliding_window and arch.sliding_window < context:
             context = arch.sliding_window
         return {
-            "model": self.model_name, "num_layers": arch.num_layers, "d_model": arch.hidden_size,
+            "model": self.model_name, "num_layers": arch.num_layers, "d_model": arch.hidden_size, "num_kv_heads": arch.num_kv_heads,
             "vocab_size": arch.vocab_size, "kv_bytes_per_position": self.layout.kv_bytes_per_position,
             "model_len": config.max_model_len or context, "max_model_len": self.max_model_len,
             "num_kv_positions": self.layout.num_tokens, "block_size": config.block_size,

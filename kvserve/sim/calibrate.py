@@ -39,6 +39,7 @@ def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: 
     model = fit(
         samples, label=f"fitted: kvserve {how} on {cpu_name()} ({engine['model']}, {engine['threads']} threads)",
         model_name=engine["model"], num_layers=engine["num_layers"], d_model=engine["d_model"],
+        num_kv_heads=engine.get("num_kv_heads", 0),
         kv_bytes_per_position=float(engine["kv_bytes_per_position"]), model_len=int(engine["model_len"]),
         request_overhead=request_overhead,
     )  # fmt: skip
@@ -87,7 +88,7 @@ def calibrate_through_server(engine_flags: list[str], grid: Grid = Grid(), outpu
 def refit(model: StepTimeModel) -> StepTimeModel:
     """The same samples fitted again (after a change to the fit), keeping the description."""
     samples = [Sample.from_dict(d) for d in model.meta.get("samples", [])]
-    fields = {k: getattr(model, k) for k in ("label", "model_name", "num_layers", "d_model", "kv_bytes_per_position", "model_len",
-                                             "request_overhead")}  # fmt: skip
+    fields = {k: getattr(model, k) for k in ("label", "model_name", "num_layers", "d_model", "num_kv_heads",
+                                             "kv_bytes_per_position", "model_len", "request_overhead")}  # fmt: skip
     again = fit(samples, **fields)
     return StepTimeModel(**{**again.__dict__, "meta": {**model.meta, "errors": errors(again, samples)}})

@@ -29,7 +29,7 @@ from kvserve.planner.inputs import PlanInputs
 from kvserve.planner.plan import make_plan
 from kvserve.sim.instance import InstanceSpec
 from kvserve.sim.simulator import Deployment, Simulator
-from kvserve.sim.step_model import from_datasheet
+from kvserve.sim.step_model import TensorParallel, from_datasheet
 from kvserve.sim.workload import SimRequest
 
 AMPLE = 1e30  # B/s: a link that never binds
@@ -66,12 +66,17 @@ def _steady_rate(run, batch: int) -> float:
 
 
 def check(inputs: PlanInputs, num_requests: int | None = None) -> list[Row]:
+    from kvserve.errors import ConfigError
+
     i = inputs
+    if i.kv_layout != "heads":
+        raise ConfigError("kv_layout", "the check simulates kvserve's heads layout; the requests layout's busiest chip "
+                          "(⌈B/N⌉ requests) is the planner's alone")  # fmt: skip
+    if i.shared_prefix_positions:
+        raise ConfigError("shared_prefix_positions", "the check's workload has no shared prefix; leave it at 0")
     batch = make_plan(i).derived.decode_batch
     prompt, n_out = i.prompt_positions, i.output_tokens
     if n_out < 2:
-        from kvserve.errors import ConfigError
-
         raise ConfigError("output_tokens", "the check needs at least 2 output tokens (a decode stage)")
     steady = dataclasses.replace(i, batch=batch, history_positions=prompt + n_out // 2)
     plan = make_plan(steady)
@@ -80,12 +85,17 @@ def check(inputs: PlanInputs, num_requests: int | None = None) -> list[Row]:
     model = from_datasheet(i.model, i.chip, i.bytes_per_weight, c_kv, i.utilisation, model_len=prompt + n_out + 1)
     n = num_requests or max(8 * batch, 128)
     per_request = (prompt + n_out + 1) * c_kv
-    # room for every request: the planner's batch is capped by max_num_seqs here, not by memory (a
-    # decode instance allocates for requests whose KV is on its way, beyond those running)
-    memory = int(per_request * (n + 2) * 1.1) + 1
-    # the budget: a whole prompt in one step (the planner's t_prefill is one prompt's pass)
-    spec = InstanceSpec(kv_cache_memory=memory, max_num_batched_tokens=max(prompt, batch), max_num_seqs=batch,
-                        enable_prefix_caching=False, shared_prefix_attention="off")  # fmt: skip
+    # N chips per group as one instance; no AllReduce time, as the planner's step leaves it out
+    tp = TensorParallel(i.num_chips, include_comm=False)
+    split = tp.attention_split(model)  # a rank holds 1/split of each position's KV
+    # a decode instance has room for every request: the planner's batch is capped by max_num_seqs here,
+    # not by memory (it allocates for requests whose KV is on its way, beyond those running); a
+    # prefill instance, for a few prompts. The budget: a whole prompt in one step (the planner's
+    # t_prefill is one prompt's pass).
+    common = dict(max_num_batched_tokens=max(prompt, batch), max_num_seqs=batch, enable_prefix_caching=False,
+                  shared_prefix_attention="off")  # fmt: skip
+    decode_spec = InstanceSpec(kv_cache_memory=int(per_request * (n + 2) * 1.1 / split) + 1, **common)
+    prefill_spec = InstanceSpec(kv_cache_memory=int(per_request * 4 / split) + 1, **common)
     t_prefill = d.prefill_s
     rates = {k: plan[k] for k in ("prefill_rate_per_group_req_per_s", "prefill_rate_req_per_s", "decode_rate_req_per_s",
                                   "network_rate_req_per_s", "system_rate_req_per_s")}  # fmt: skip
@@ -94,8 +104,10 @@ def check(inputs: PlanInputs, num_requests: int | None = None) -> list[Row]:
     ample_prefill = max(1, math.ceil(max(rates["decode_rate_req_per_s"], rates["network_rate_req_per_s"]) * t_prefill * 4))
     ample_decode = max(1, math.ceil(fastest / rates["decode_rate_req_per_s"] * 4))
 
+
     def run(prefill: int, decode: int, link: float, record: bool = False):
-        deployment = Deployment(prefill=prefill, decode=decode, handoff_bytes_per_s=link, instance=spec)
+        deployment = Deployment(prefill=prefill, decode=decode, handoff_bytes_per_s=link, instance=decode_spec,
+                                prefill_instance=prefill_spec, tensor_parallel=tp)  # fmt: skip
         return Simulator(deployment, model, record_steps=record).run(_requests(n, prompt, n_out))
 
     decode_run = run(ample_prefill, 1, AMPLE, record=True)

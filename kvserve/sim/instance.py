@@ -93,9 +93,9 @@ class SimInstance:
         self.name, self.role, self.model, self.tp = name, role, model, tp
         self.config = config = spec.engine_config()
         memory = parse_bytes("kv_cache_memory", spec.kv_cache_memory)
-        # the engine's pool: as many blocks as the memory holds at c_kv per position (model_runner.plan_kv_pool),
-        # each rank holding 1/N of every position's KV heads under tensor parallelism
-        num_blocks = int(memory * tp.size // (kv_bytes_per_position * config.block_size))
+        # the engine's pool: as many blocks as the memory holds at c_kv per position (model_runner.plan_kv_pool);
+        # under tensor parallelism each rank holds its KV heads' share of every position (past N_kv ranks, one head)
+        num_blocks = int(memory * tp.attention_split(model) // (kv_bytes_per_position * config.block_size))
         if num_blocks < 1:
             raise ConfigError("kv_cache_memory", f"{memory} bytes hold no block of {config.block_size} positions")
         self.max_model_len = min(model_len, num_blocks * config.block_size, spec.max_model_len or model_len)

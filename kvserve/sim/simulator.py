@@ -44,6 +44,7 @@ class Deployment:
     handoff_bytes_per_s: float = 10e9  # the link between the pools (one handoff at a time)
     handoff_latency_s: float = 0.0
     instance: InstanceSpec = InstanceSpec()
+    prefill_instance: InstanceSpec | None = None  # the prefill pool's flags, where they differ (default: `instance`)
     tensor_parallel: TensorParallel = TensorParallel()
 
     def __post_init__(self) -> None:
@@ -146,7 +147,8 @@ class _Run:
         spec, tp = self.d.instance, self.d.tensor_parallel
 
         def make(name: str, role: str) -> SimInstance:
-            return SimInstance(name, role, spec, sim.model, tp, sim.kv_bytes_per_position, sim.model_len, clock)
+            flags = self.d.prefill_instance if role == "prefill" and self.d.prefill_instance is not None else spec
+            return SimInstance(name, role, flags, sim.model, tp, sim.kv_bytes_per_position, sim.model_len, clock)
 
         if self.d.disaggregated:
             self.prefill = [make(f"prefill-{i}", "prefill") for i in range(self.d.prefill)]

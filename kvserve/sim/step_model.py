@@ -62,6 +62,7 @@ class StepTimeModel:
     model_name: str = ""
     num_layers: int = 0  # for the TP communication term
     d_model: int = 0
+    num_kv_heads: int = 0  # what tensor parallelism can split attention into (0: unknown, split N ways)
     kv_bytes_per_position: float = 0.0  # c_kv of the engine's pool: how many blocks a KV memory holds
     model_len: int = 0  # the model's context, before the pool caps it
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
@@ -197,7 +198,7 @@ def from_datasheet(model, chip, bytes_per_weight: float, kv_bytes_per_position: 
         weight_read=p * bytes_per_weight / beta, source="datasheet",
         label=f"datasheet: {chip.name} (β {beta / 1e9:.4g} GB/s, C {c / 1e12:.4g} TFLOP/s, η {utilisation:g}), "
               "the planner's roofline; not measured",
-        model_name=model.name, num_layers=model.num_layers, d_model=model.d_model,
+        model_name=model.name, num_layers=model.num_layers, d_model=model.d_model, num_kv_heads=model.num_kv_heads,
         kv_bytes_per_position=kv_bytes_per_position, model_len=model_len,
     )  # fmt: skip
 
@@ -206,20 +207,30 @@ def from_datasheet(model, chip, bytes_per_weight: float, kv_bytes_per_position: 
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """N ranks per instance: each does 1/N of the per-rank work, then 2·L AllReduces of [T, D]."""
+    """N ranks per instance, kvserve's heads layout: each rank computes 1/N of the projections and
+    of the LM head, and the attention of its KV heads (past N_kv ranks the KV heads are
+    replicated, so attention divides by N_kv at most); then 2·L AllReduces of the step's [T, D]
+    activations (planner/parallel.py). `include_comm=False` leaves them out, as the planner's
+    staged step does (it reports them beside it)."""
 
     size: int = 1
     link_bytes_per_s: float = 1e10
     link_latency_s: float = 1e-5
     bytes_per_activation: float = 2.0
+    include_comm: bool = True
+
+    def attention_split(self, model: StepTimeModel) -> int:
+        return min(self.size, model.num_kv_heads) if model.num_kv_heads else self.size
 
     def step_s(self, model: StepTimeModel, shape: StepShape) -> float:
         if self.size == 1:
             return model.step_s(shape)
-        from kvserve.planner.parallel import tp_comm_s_per_step
-
         g = model.groups(shape)
-        work = (g["projections"] + g["attention"] + g["lm_head"]) / self.size
-        comm = tp_comm_s_per_step(model.num_layers, self.size, shape.tokens, model.d_model, self.bytes_per_activation,
-                                  self.link_bytes_per_s, self.link_latency_s)  # fmt: skip
+        work = (g["projections"] + g["lm_head"]) / self.size + g["attention"] / self.attention_split(model)
+        comm = 0.0
+        if self.include_comm:
+            from kvserve.planner.parallel import tp_comm_s_per_step
+
+            comm = tp_comm_s_per_step(model.num_layers, self.size, shape.tokens, model.d_model, self.bytes_per_activation,
+                                      self.link_bytes_per_s, self.link_latency_s)  # fmt: skip
         return g["fixed"] + g["serving"] + work + comm
