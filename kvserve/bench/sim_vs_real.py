@@ -15,9 +15,11 @@ In one sitting (the machine's speed drifts between sittings):
 The machine's speed drifts within minutes on a shared host (36-68 GB/s memory bandwidth within
 an hour here), more than the 10% the comparison is judged by. So each rate's run is bracketed
 by a probe: a few lone requests (128 prompt tokens, 48 out) whose TTFT and TPOT are compared
-with the step model's for the same requests; the model's prompt costs are scaled by the TTFT
-ratio and its per-step and per-row costs by the TPOT ratio (each the mean of the probes before
-and after) for that rate, and the factors are printed beside its figures.
+with the same probe measured by the calibration, right after fitting; the model's prompt costs
+are scaled by the TTFT ratio and its per-step and per-row costs by the TPOT ratio (each the
+mean of the probes before and after) for that rate, and the factors are printed beside its
+figures. Measured against measured, the factors hold the machine's drift and nothing of the
+fit's own error.
 `--no-probe` compares with the model as fitted.
 
 Scenarios: `plain`; `chunked` (long prompts cut into 256-position chunks that share steps with
@@ -78,6 +80,8 @@ def register(sub) -> None:
     p.add_argument("--scenario", action="append", choices=list(SCENARIOS),
                    help="workload and engine setting to check; repeat for several (default: all four)")
     p.add_argument("--num-prompts", type=int, default=80, help="requests per rate (default 80)")
+    p.add_argument("--input-len", type=int, help="every scenario's own prompt tokens, instead of its preset (mean)")
+    p.add_argument("--output-len", type=int, help="every scenario's output tokens, instead of its preset (mean)")
     p.add_argument("--request-rates", help="three rates, comma-separated (default: 30/60/85%% of the simulated capacity)")
     p.add_argument("--step-model", metavar="FILE", help="a fitted step model (default: fit one now, in this sitting)")
     p.add_argument("--grid", choices=["full", "quick"], default="full", help="the calibration grid when fitting now")
@@ -140,31 +144,8 @@ def _model_flags(args) -> list[str]:
     return (["--model", args.model] if args.model else []) + (["--threads", str(args.threads)] if args.threads else [])
 
 
-PROBE_PROMPT, PROBE_OUTPUT, PROBE_REQUESTS = 128, 48, 3
-
-
-def _probe(base: str, model_name: str, seed: int, vocab: int) -> tuple[float, float]:
-    """Median TTFT and TPOT, seconds, of lone probe requests sent one after another."""
-    import statistics
-
-    w = build_workload(PROBE_REQUESTS, PROBE_PROMPT, PROBE_OUTPUT, vocab, seed=seed)
-    records, _ = run_at_rate(base, model_name, w.prompts, [PROBE_PROMPT] * PROBE_REQUESTS, w.output_lens, rate=math.inf,
-                             burstiness=1.0, max_concurrency=1, seed=seed, timeout_s=120, progress=False)  # fmt: skip
-    if not all(r.ok for r in records):
-        raise BenchError(f"a probe request failed: {next(r.error for r in records if not r.ok)}")
-    return statistics.median(r.ttft_s for r in records), statistics.median(r.tpot_s for r in records)
-
-
-def _predicted_probe(sim) -> tuple[float, float]:
-    from kvserve.sim.workload import from_lists
-
-    w = build_workload(1, PROBE_PROMPT, PROBE_OUTPUT, 32000, seed=0)
-    trace = sim.run(from_lists(w.prompts, w.output_lens, [0.0])).traces[0]
-    return trace.ttft_s, trace.tpot_s
-
-
 def run(args) -> int:
-    from kvserve.sim.measure_server import start_server, stop_server
+    from kvserve.sim.measure_server import probe_server, start_server, stop_server
     from kvserve.sim.simulator import Deployment, Simulator
     from kvserve.sim.step_model import load_step_model
 
@@ -172,7 +153,12 @@ def run(args) -> int:
         raise BenchError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     from kvserve.bench.machine import contention_before_run
 
-    scenarios = [SCENARIOS[s] for s in (args.scenario or list(SCENARIOS))]
+    for flag in ("input_len", "output_len"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    scenarios = [dataclasses.replace(SCENARIOS[s], input_len=args.input_len or SCENARIOS[s].input_len,
+                                     output_len=args.output_len or SCENARIOS[s].output_len)
+                 for s in (args.scenario or list(SCENARIOS))]  # fmt: skip
     console = Console()
     before = contention_before_run()
     if args.step_model:
@@ -186,6 +172,11 @@ def run(args) -> int:
         model, _, _ = calibrate_through_server(_model_flags(args), Grid.quick() if args.grid == "quick" else Grid(), out,
                                                progress=sys.stderr.isatty())  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="kvserve-sim-vs-real-logs-"))
+    # the same probe measured when the model was fitted: the machine's speed then
+    reference = model.meta.get("probe") if args.probe else None
+    if args.probe and reference is None:
+        console.print("the step model has no probe from its calibration (fitted in process?): comparing unscaled",
+                      highlight=False)  # fmt: skip
     results: list[dict[str, Any]] = []
     for scenario in scenarios:
         sim = Simulator(Deployment(instance=_instance_spec(scenario)), model)
@@ -199,7 +190,7 @@ def run(args) -> int:
                         burstiness=1.0, max_concurrency=1, seed=args.seed, timeout_s=120, progress=False)  # fmt: skip
             for index, rate in enumerate(rates):
                 seed = args.seed + 1 + index
-                before = _probe(base, model_name, 20_000 + seed, vocab) if args.probe else None
+                before = probe_server(base, model_name, 20_000 + seed, vocab) if reference else None
                 w = _workload(scenario, args.num_prompts, seed, vocab)
                 records, duration = run_at_rate(base, model_name, w.prompts, [len(p) for p in w.prompts], w.output_lens,
                                                 rate=rate, burstiness=1.0, max_concurrency=None, seed=seed, timeout_s=600,
@@ -208,10 +199,9 @@ def run(args) -> int:
                 if measured["failed"]:
                     raise BenchError(f"{scenario.name} at {rate} req/s: {measured['failed']} request(s) failed: {measured['errors']}")
                 factors = (1.0, 1.0)  # prefill, decode
-                if args.probe:
-                    after = _probe(base, model_name, 30_000 + seed, vocab)
-                    predicted_probe = _predicted_probe(sim)
-                    factors = tuple((b + a) / 2 / p for b, a, p in zip(before, after, predicted_probe))
+                if reference:
+                    after = probe_server(base, model_name, 30_000 + seed, vocab)
+                    factors = tuple((before[k] + after[k]) / 2 / reference[k] for k in ("ttft_s", "tpot_s"))
                 scaled = Simulator(sim.deployment, model.scaled(decode=factors[1], prefill=factors[0]))
                 from kvserve.sim.report import summary
 

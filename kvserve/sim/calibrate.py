@@ -79,7 +79,7 @@ def calibrate_through_server(engine_flags: list[str], grid: Grid = Grid(), outpu
         samples, found = measure_through_server(engine_flags, grid, seed=seed, progress=lambda: bar.update(1))
     overheads = found["request_overheads_s"]
     extra = {"engine_flags": engine_flags, "step_log": found["step_log"], "warm_up_steps": found["warm_up_steps"],
-             "request_overheads_s": overheads}  # fmt: skip
+             "request_overheads_s": overheads, "probe": found["probe"]}  # fmt: skip
     # the median: a request that met a noisy step says little of the HTTP path's own time
     overhead = max(0.0, statistics.median(overheads)) if overheads else 0.0
     return _fit_and_save(samples, found["engine"], "through its server", output, extra, overhead)

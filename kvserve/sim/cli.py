@@ -39,6 +39,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="with --chip: the model (a plan preset, .gguf or config.json)")
     g.add_argument("--quantization", default="none", help="with --chip: the weight format, as plan run takes it (default none: bf16)")
     g.add_argument("--kv-cache-dtype", default="bfloat16", help="with --chip: the KV format (default bfloat16)")
+    g.add_argument("--bytes-per-weight", type=float, help="with --chip: p_w instead of --quantization")
+    g.add_argument("--bytes-per-kv-element", type=float, help="with --chip: p_kv instead of --kv-cache-dtype")
     g.add_argument("--utilisation", type=float, default=0.4, help="with --chip: prefill's η (default 0.4, as plan run)")
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=1000)
@@ -60,8 +62,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--handoff-gb-per-s", type=float, default=10.0, help="each prefill instance's link to the decode pool")
     g.add_argument("--handoff-latency-us", type=float, default=0.0)
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per instance (the planner's TP model)")
-    g.add_argument("--link-gb-per-s", type=float, help="TP AllReduce link (default: the local chip's, else 10)")
-    g.add_argument("--link-latency-us", type=float, help="TP AllReduce α (default: the local chip's, else 10)")
+    g.add_argument("--link-gb-per-s", type=float, help="TP AllReduce link (default: --chip's, else the local chip's, else 10)")
+    g.add_argument("--link-latency-us", type=float, help="TP AllReduce α (default: --chip's, else the local chip's, else 10)")
+    g.add_argument("--tp-comm", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the TP AllReduces in each step (--no-tp-comm: leave them out, as plan run's step does)")
     g = p.add_argument_group("engine (as kvserve serve)")
     g.add_argument("--kv-cache-memory", default="1GiB")
     g.add_argument("--block-size", type=int, default=16)
@@ -101,11 +105,20 @@ def step_model(args):
     shape = models.load_model(args.model)
     chip = hardware.get_chip(args.chip)
     kv_format = formats.kv_format(args.kv_cache_dtype)
-    c_kv = kv.kv_bytes_per_position(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_format.bytes_per_kv_element,
-                                    kv_format.scale_bytes)  # fmt: skip
+    p_kv, scale = kv_format.bytes_per_kv_element, kv_format.scale_bytes
+    if args.bytes_per_kv_element is not None:
+        if not 0 < args.bytes_per_kv_element <= 8:
+            raise ConfigError("--bytes-per-kv-element", f"must be in (0, 8], got {args.bytes_per_kv_element}")
+        p_kv, scale = args.bytes_per_kv_element, 0.0
+    p_w = formats.weight_format(args.quantization, shape).bytes_per_weight
+    if args.bytes_per_weight is not None:
+        if not 0 < args.bytes_per_weight <= 8:
+            raise ConfigError("--bytes-per-weight", f"must be in (0, 8], got {args.bytes_per_weight}")
+        p_w = args.bytes_per_weight
+    c_kv = kv.kv_bytes_per_position(shape.num_layers, shape.num_kv_heads, shape.head_dim, p_kv, scale)
     if not 0 < args.utilisation <= 1:
         raise ConfigError("--utilisation", f"must be in (0, 1], got {args.utilisation}")
-    return from_datasheet(shape, chip, formats.weight_format(args.quantization, shape).bytes_per_weight, c_kv, args.utilisation)
+    return from_datasheet(shape, chip, p_w, c_kv, args.utilisation)
 
 
 def deployment(args, model):
@@ -115,11 +128,11 @@ def deployment(args, model):
 
     link_bw, link_alpha = 10e9, 10e-6
     try:
-        from kvserve.planner.hardware import load_local_chip
+        from kvserve.planner.hardware import get_chip
 
-        local = load_local_chip()
-        link_bw, link_alpha = local.link_bytes_per_s, local.link_latency_s
-    except ConfigError:
+        chip = get_chip(args.chip or "local")
+        link_bw, link_alpha = chip.link_bytes_per_s, chip.link_latency_s
+    except ConfigError:  # no local measurement: the rough default
         pass
     tp = args.tensor_parallel_size
     if tp < 1:
@@ -137,7 +150,7 @@ def deployment(args, model):
         ),
         tensor_parallel=TensorParallel(
             tp, link_bw if args.link_gb_per_s is None else args.link_gb_per_s * 1e9,
-            link_alpha if args.link_latency_us is None else args.link_latency_us * 1e-6,
+            link_alpha if args.link_latency_us is None else args.link_latency_us * 1e-6, include_comm=args.tp_comm,
         ),
     )  # fmt: skip
 
@@ -173,10 +186,13 @@ def _run(args) -> int:
         raise ConfigError("--num-requests", f"must be >= 1, got {args.num_requests}")
     if args.chip_cost_usd_per_hour is not None and args.chip_cost_usd_per_hour < 0:
         raise ConfigError("--chip-cost-usd-per-hour", f"must be >= 0, got {args.chip_cost_usd_per_hour}")
+    rates = args.rate or [4.0]
+    if any(not r > 0 for r in rates):
+        raise ConfigError("--rate", f"every rate must be > 0 requests/s (inf: all at once), got {rates}")
+    workload_spec(args, rates[0])  # the workload flags are checked before anything is loaded
+    slo = slo_of(args)
     model = step_model(args)
     sim = Simulator(deployment(args, model), model)
-    slo = slo_of(args)
-    rates = args.rate or [4.0]
     show_progress = args.progress if args.progress is not None else (sys.stderr.isatty() and args.num_requests >= 2000)
     results = []
     for rate in rates:

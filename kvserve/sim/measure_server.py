@@ -126,6 +126,28 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
     return fitted_from, held_from, overheads
 
 
+PROBE_PROMPT, PROBE_OUTPUT, PROBE_REQUESTS = 128, 48, 3
+
+
+def probe_server(base: str, model: str, seed: int, vocab: int) -> dict[str, float]:
+    """The machine's speed now, as one server answers: the median TTFT and TPOT (seconds) of a
+    few lone requests of PROBE_PROMPT random ids and PROBE_OUTPUT tokens, sent one after
+    another. Measured at calibration and again later, the ratio is how much slower (or faster)
+    the machine has become meanwhile."""
+    import statistics
+
+    from kvserve.bench.serve_load import run_at_rate
+
+    rng = np.random.default_rng(seed + 77)
+    prompts = [rng.integers(1, vocab, size=PROBE_PROMPT).tolist() for _ in range(PROBE_REQUESTS)]
+    records, _ = run_at_rate(base, model, prompts, [PROBE_PROMPT] * PROBE_REQUESTS, [PROBE_OUTPUT] * PROBE_REQUESTS,
+                             rate=float("inf"), burstiness=1.0, max_concurrency=1, seed=seed, timeout_s=120, progress=False)  # fmt: skip
+    failed = [r for r in records if not r.ok or r.tpot_s is None]
+    if failed:
+        raise ConfigError("calibrate", f"a probe request failed: {failed[0].error or 'no tokens after the first'}")
+    return {"ttft_s": statistics.median(r.ttft_s for r in records), "tpot_s": statistics.median(r.tpot_s for r in records)}
+
+
 def start_server(engine_flags: list[str], log: Path, timeout_s: float = 300.0, what: str = "calibrate") -> tuple[subprocess.Popen, str, str]:
     """`kvserve serve` on a free loopback port with `engine_flags`; (process, base URL, model name)."""
     from kvserve.disagg.launch import start_and_wait
@@ -161,9 +183,11 @@ def measure_through_server(engine_flags: list[str], grid: Grid = Grid(), seed: i
             _drive(client, grid, log, limit, min(header["num_kv_positions"], grid.max_decode_positions), progress)
         )
         seconds = time.perf_counter() - started
+        probe = probe_server(base, model, seed, client.vocab)
     finally:
         stop_server(proc)
     header, samples = read_step_log(log)
     out = samples[fitted_from:held_from] + [Sample(s.kind, s.shape, s.seconds, held_out=True) for s in samples[held_from:]]
     return out, {"engine": header, "step_log": str(log), "server_log": str(workdir / "server.log"),
-                 "warm_up_steps": fitted_from, "seconds": seconds, "request_overheads_s": overheads}  # fmt: skip
+                 "warm_up_steps": fitted_from, "seconds": seconds, "request_overheads_s": overheads,
+                 "probe": probe}  # fmt: skip
