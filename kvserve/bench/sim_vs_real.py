@@ -190,7 +190,7 @@ def run(args) -> int:
                         burstiness=1.0, max_concurrency=1, seed=args.seed, timeout_s=120, progress=False)  # fmt: skip
             for index, rate in enumerate(rates):
                 seed = args.seed + 1 + index
-                before = probe_server(base, model_name, 20_000 + seed, vocab) if reference else None
+                probe_before = probe_server(base, model_name, 20_000 + seed, vocab) if reference else None
                 w = _workload(scenario, args.num_prompts, seed, vocab)
                 records, duration = run_at_rate(base, model_name, w.prompts, [len(p) for p in w.prompts], w.output_lens,
                                                 rate=rate, burstiness=1.0, max_concurrency=None, seed=seed, timeout_s=600,
@@ -201,7 +201,7 @@ def run(args) -> int:
                 factors = (1.0, 1.0)  # prefill, decode
                 if reference:
                     after = probe_server(base, model_name, 30_000 + seed, vocab)
-                    factors = tuple((before[k] + after[k]) / 2 / reference[k] for k in ("ttft_s", "tpot_s"))
+                    factors = tuple((probe_before[k] + after[k]) / 2 / reference[k] for k in ("ttft_s", "tpot_s"))
                 scaled = Simulator(sim.deployment, model.scaled(decode=factors[1], prefill=factors[0]))
                 from kvserve.sim.report import summary
 

@@ -61,12 +61,20 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
     c = client_
     steps_per_point = grid.decode_steps * (grid.repeats + 1)
 
-    def lines() -> int:
-        return len(read_step_log(log)[1])
+    async def lines() -> int:
+        """Steps logged so far, once the count holds still: the server logs a step only after
+        delivering its outputs, so the last one of a phase can land after its responses."""
+        n = len(read_step_log(log)[1])
+        while True:
+            await asyncio.sleep(0.1)
+            again = len(read_step_log(log)[1])
+            if again == n:
+                return n
+            n = again
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as client:
         await c.together(client, [c.ids(64), c.ids(64)], 8)  # warm-up: the first steps of a fresh server
-        fitted_from = lines()
+        fitted_from = await lines()
 
         ttfts: list[float] = []  # of the prefill phase's requests, one step each, in the log's order
 
@@ -112,7 +120,7 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
         for s0 in grid.prefill_cached:
             for t in grid.prefill_tokens:
                 await point(0, s0, t)
-        steps = read_step_log(log)[1][fitted_from:]
+        steps = read_step_log(log)[1][fitted_from : await lines()]
         overheads = [ttft - step.seconds for ttft, step in zip(ttfts, steps)] if len(steps) == len(ttfts) else []
         for s in grid.decode_context:
             for r in grid.decode_rows:
@@ -120,7 +128,7 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
         for r, s, t in grid.mixed:
             await point(r, s, t)
         await arrivals()
-        held_from = lines()
+        held_from = await lines()
         for r, s, t in grid.held_out:
             await point(r, s, t)
     return fitted_from, held_from, overheads

@@ -30,6 +30,8 @@ def find_max_rate(sim: Simulator, spec: WorkloadSpec, slo: SLO, target: float = 
                   on_trial=None) -> RateSearch:  # fmt: skip
     if not slo.is_set:
         raise ConfigError("slo", "the rate search needs at least one SLO (--slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms)")
+    if not (0 < start_rate < float("inf")):
+        raise ConfigError("rate", f"the search starts from a finite rate > 0, got {start_rate}")
     if not 0 < target <= 1:
         raise ConfigError("slo_attainment", f"must be in (0, 1], got {target}")
     trials: list[tuple[float, float]] = []

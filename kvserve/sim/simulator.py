@@ -233,10 +233,10 @@ class _Run:
             self._push(inst.step_ends, self._step_done, inst, inst.step_version)
 
     def _admissible(self, r: SimRequest, trace: RequestTrace, instances) -> bool:
-        """The server's check_prompt_length: a prompt the engine cannot hold is refused (a 400)."""
+        """The server's fit_max_tokens: a prompt and max_tokens that do not fit the context are refused (a 400)."""
         limit = min(i.max_model_len for i in instances)
-        if len(r.prompt) >= limit:
-            trace.rejected = f"prompt of {len(r.prompt)} tokens; the engine holds {limit} positions"
+        if len(r.prompt) + r.output_len > limit:
+            trace.rejected = f"{len(r.prompt)} prompt + {r.output_len} output tokens; the engine holds {limit} positions"
             self._done_one()
             return False
         return True

@@ -109,7 +109,7 @@ class StepTimeModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> "StepTimeModel":
-        if data.get("kvserve_step_model_version") != MODEL_VERSION:
+        if not isinstance(data, dict) or data.get("kvserve_step_model_version") != MODEL_VERSION:
             raise ConfigError("step model", f"not a version-{MODEL_VERSION} step model (rerun `kvserve plan calibrate --engine`)")
         fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
         return cls(**fields)
@@ -132,7 +132,7 @@ def default_model_path() -> Path:
 def load_step_model(path: str | Path | None = None) -> StepTimeModel:
     path = Path(path) if path else default_model_path()
     if not path.exists():
-        raise ConfigError("step model", f"no step model at {path}; run `kvserve plan calibrate --engine` first")
+        raise ConfigError("step model", f"no step model at {path} (--step-model); run `kvserve plan calibrate --engine` first")
     try:
         return StepTimeModel.from_dict(json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
