@@ -31,7 +31,6 @@ given, are 30%, 60% and 85% of the simulated instance's saturated rate for the s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math

@@ -259,7 +259,7 @@ class LLMEngine:
         # --step-log: each step's shape, read from the plan, and its duration (record_step)
         self.step_log = None
         self._step_shape = None
-        if config.step_log:
+        if config.step_log and (self.tp is None or self.tp.is_driver):  # rank 0 runs the steps
             from kvserve.sim.step_log import StepLog
 
             self.step_log = StepLog(config.step_log, self.describe_for_step_log())

@@ -162,8 +162,6 @@ class _Run:
         self._decode_policy = Policy("least-loaded")
         self._link_free = 0.0
         self.traces = {r.request_id: RequestTrace(r.request_id, r.arrival_s, len(r.prompt)) for r in requests}
-        self._outputs = {r.request_id: r.output_len for r in requests}
-        self._owner: dict[str, tuple[SimInstance, ...]] = {}
         self._handoffs: dict[str, tuple[SimInstance, SimRequest]] = {}  # prefill request id -> (decode instance, request)
         self.handoff_bytes = 0
         self.steps: list = []
@@ -207,7 +205,6 @@ class _Run:
             dec.add(r.request_id, r.prompt, r.output_len, r.arrival_s, transfer_id=r.request_id)
             p.add(r.request_id + ":prefill", r.prompt, 1, r.arrival_s)
             self._handoffs[r.request_id + ":prefill"] = (dec, r)
-            self._owner[r.request_id] = (p, dec)
             trace.instance = f"{p.name} → {dec.name}"
             for inst in (p, dec):
                 self._fronts[inst.name].in_flight += 1
@@ -219,7 +216,6 @@ class _Run:
             if not self._admissible(r, trace, (inst,)):
                 return
             inst.add(r.request_id, r.prompt, r.output_len, r.arrival_s)
-            self._owner[r.request_id] = (inst,)
             trace.instance = inst.name
             self._fronts[inst.name].in_flight += 1
             self._lengthen(inst)
