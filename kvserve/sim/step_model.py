@@ -1,6 +1,6 @@
 """How long one engine step takes, per op group, from its shape (step_shape.py).
 
-    t = fixed + per_row·rows                                   fixed per-step cost
+    t = fixed + per_chunked_step·[chunks in it] + per_row·rows    fixed per-step cost
       + max(weight_read, per_decode_row·R_d + per_prefill_token·T_p
                          + per_mixed_prefill_token·T_p if R_d > 0)       projections
       + per_decode_kv·KV_d + per_prefill_kv·KV_p + per_pair·pairs       attention
@@ -36,14 +36,17 @@ from kvserve.paths import cache_root
 from kvserve.sim.step_shape import StepShape
 
 MODEL_VERSION = 1
-COEFFICIENTS = ("fixed", "per_row", "per_decode_row", "per_prefill_token", "per_mixed_prefill_token", "per_decode_kv",
-                "per_prefill_kv", "per_pair", "per_sample", "per_arrival")  # fmt: skip
+COEFFICIENTS = ("fixed", "per_chunked_step", "per_row", "per_decode_row", "per_prefill_token", "per_mixed_prefill_token",
+                "per_decode_kv", "per_prefill_kv", "per_pair", "per_sample", "per_arrival")  # fmt: skip
 GROUPS = ("fixed", "projections", "attention", "lm_head", "serving")
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTimeModel:
     fixed: float = 0.0  # s per step
+    # s more per step with prompt chunks: such a step runs layer by layer, not as the fused
+    # all-layers decode step, and pays Python's per-layer cost
+    per_chunked_step: float = 0.0
     per_row: float = 0.0  # s per scheduled request
     per_decode_row: float = 0.0  # s per decode row through the projections
     per_prefill_token: float = 0.0  # s per prompt position through the projections
@@ -79,7 +82,7 @@ class StepTimeModel:
         """Seconds per op group for one step on one rank."""
         s = shape
         return {
-            "fixed": self.fixed + self.per_row * s.rows,
+            "fixed": self.fixed + self.per_chunked_step * (s.prefill_rows > 0) + self.per_row * s.rows,
             "projections": max(self.weight_read, self.per_decode_row * s.decode_rows + self.per_prefill_token * s.prefill_tokens
                                + self.per_mixed_prefill_token * s.mixed_prefill_tokens),
             "attention": self.per_decode_kv * s.decode_kv_positions + self.per_prefill_kv * s.prefill_kv_positions
@@ -143,7 +146,7 @@ def load_step_model(path: str | Path | None = None) -> StepTimeModel:
 
 def _features(shape: StepShape) -> list[float]:
     s = shape
-    return [1.0, s.rows, s.decode_rows, s.prefill_tokens, s.mixed_prefill_tokens, s.decode_kv_positions,
+    return [1.0, float(s.prefill_rows > 0), s.rows, s.decode_rows, s.prefill_tokens, s.mixed_prefill_tokens, s.decode_kv_positions,
             s.prefill_kv_positions, s.prefill_pairs, s.sample_rows, s.arrivals]  # fmt: skip
 
 
