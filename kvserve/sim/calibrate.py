@@ -15,36 +15,26 @@ no new measurement.
 
 from __future__ import annotations
 
-import platform
 import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvserve.bench.machine import cpu_model
 from kvserve.sim.measure import Grid, Sample, measure, num_points
 from kvserve.sim.step_model import StepTimeModel, default_model_path, errors, fit
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: dict,
                   request_overhead: float = 0.0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
     model = fit(
-        samples, label=f"fitted: kvserve {how} on {cpu_name()} ({engine['model']}, {engine['threads']} threads)",
+        samples, label=f"fitted: kvserve {how} on {cpu_model()} ({engine['model']}, {engine['threads']} threads)",
         model_name=engine["model"], num_layers=engine["num_layers"], d_model=engine["d_model"],
         num_kv_heads=engine.get("num_kv_heads", 0),
         kv_bytes_per_position=float(engine["kv_bytes_per_position"]), model_len=int(engine["model_len"]),
         request_overhead=request_overhead,
     )  # fmt: skip
     errs = errors(model, samples)
-    meta = {"measured_at": datetime.now(timezone.utc).isoformat(), "cpu": cpu_name(), "measured": how,
+    meta = {"measured_at": datetime.now(timezone.utc).isoformat(), "cpu": cpu_model(), "measured": how,
             "engine": {k: v for k, v in engine.items() if k != "kvserve_step_log"}, **extra, "errors": errs,
             "samples": [s.as_dict() for s in samples]}  # fmt: skip
     described = StepTimeModel(**{**model.__dict__, "meta": meta})
