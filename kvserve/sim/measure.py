@@ -1,4 +1,5 @@
-"""Time the real engine over a grid of step shapes (`kvserve plan calibrate --engine`).
+"""Time the real engine in this process over a grid of step shapes (`kvserve plan calibrate
+--engine --in-process`; by default the same Grid goes through a server, measure_server.py).
 
 Each point makes the engine run steps of one shape, from requests of random token ids
 (distinct, so no prefix-cache hit unless a point asks for one):
