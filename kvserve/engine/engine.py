@@ -202,6 +202,7 @@ class LLMEngine:
                     f"({config.kv_cache_memory} bytes); raise kv_cache_memory or lower max_model_len",
                 )
             model_len = config.max_model_len
+        self.context_len = model_len  # before the pool caps it (the step log's header)
         # one request must always fit the pool alone, so preemption can always make progress
         self.max_model_len = min(model_len, layout.num_tokens)
         self.layout = layout
@@ -256,10 +257,13 @@ class LLMEngine:
         self._children: dict[str, _Parent] = {}
         self.counters = EngineCounters()
         self._next_id = 0
-        # --step-log: each step's shape, read from the plan, and its duration (record_step)
+        # --step-log: each step's shape, read from the plan (when `read_step_shapes`: the step log and
+        # the in-process calibration), and its duration (record_step)
         self.step_log = None
-        self._step_shape = None
+        self.read_step_shapes = False
+        self.last_step_shape = None
         if config.step_log and (self.tp is None or self.tp.is_driver):  # rank 0 runs the steps
+            self.read_step_shapes = True
             from kvserve.sim.step_log import StepLog
 
             self.step_log = StepLog(config.step_log, self.describe_for_step_log())
@@ -499,8 +503,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if self.step_log is not None:
-            self._step_shape = self._shape_of(plan)
+        if self.read_step_shapes:
+            self.last_step_shape = self._shape_of(plan)
         for r in plan.arrived:  # first tokens that came with their KV, and handoffs that failed
             self.counters.generation_tokens += r.num_output_tokens
             if r.is_finished:
@@ -549,13 +553,10 @@ class LLMEngine:
     def describe_for_step_log(self) -> dict:
         """What a step model fitted from this engine's steps needs to know of it."""
         arch, config = self.arch, self.config
-        context = arch.max_position_embeddings
-        if arch.sliding_window and arch.sliding_window < context:
-            context = arch.sliding_window
         return {
             "model": self.model_name, "num_layers": arch.num_layers, "d_model": arch.hidden_size, "num_kv_heads": arch.num_kv_heads,
             "vocab_size": arch.vocab_size, "kv_bytes_per_position": self.layout.kv_bytes_per_position,
-            "model_len": config.max_model_len or context, "max_model_len": self.max_model_len,
+            "model_len": self.context_len, "max_model_len": self.max_model_len,
             "num_kv_positions": self.layout.num_tokens, "block_size": config.block_size,
             "max_num_batched_tokens": config.max_num_batched_tokens, "dtype": str(config.torch_dtype).removeprefix("torch."),
             "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
@@ -566,10 +567,10 @@ class LLMEngine:
         """--step-log: the last step took `seconds` from its start to its outputs delivered (the
         caller times it, since delivering is the caller's part), while `arrivals` new requests
         were handled beside it; an empty step is not recorded."""
-        if self.step_log is not None and self._step_shape is not None:
-            shape = dataclasses.replace(self._step_shape, arrivals=arrivals) if arrivals else self._step_shape
-            self.step_log.record(shape, seconds)
-            self._step_shape = None
+        if self.step_log is not None and self.last_step_shape is not None:
+            shape = self.last_step_shape
+            self.step_log.record(dataclasses.replace(shape, arrivals=arrivals) if arrivals else shape, seconds)
+            self.last_step_shape = None
 
     def _start_handoffs(self, plan: SchedulerOutput) -> list[Request]:
         """Prefill requests whose prompt this step completes: their handoffs open now, and each

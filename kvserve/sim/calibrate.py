@@ -9,8 +9,8 @@ Two ways to measure, the same grid of shapes (measure.Grid) and the same fit:
 - in process (`--in-process`): the engine alone (measure.py), for the engine's own costs.
 
 The file keeps the coefficients, what they were measured on, the fit's error on the fitted
-steps per kind and on held-out shapes the fit never saw, and the samples, so a refit needs
-no new measurement.
+steps per kind and on held-out shapes the fit never saw, and the samples (`measure.Sample.from_dict`),
+so a refit (`step_model.fit`) needs no new measurement.
 """
 
 from __future__ import annotations
@@ -73,12 +73,3 @@ def calibrate_through_server(engine_flags: list[str], grid: Grid = Grid(), outpu
     # the median: a request that met a noisy step says little of the HTTP path's own time
     overhead = max(0.0, statistics.median(overheads)) if overheads else 0.0
     return _fit_and_save(samples, found["engine"], "through its server", output, extra, overhead)
-
-
-def refit(model: StepTimeModel) -> StepTimeModel:
-    """The same samples fitted again (after a change to the fit), keeping the description."""
-    samples = [Sample.from_dict(d) for d in model.meta.get("samples", [])]
-    fields = {k: getattr(model, k) for k in ("label", "model_name", "num_layers", "d_model", "num_kv_heads",
-                                             "kv_bytes_per_position", "model_len", "request_overhead")}  # fmt: skip
-    again = fit(samples, **fields)
-    return StepTimeModel(**{**again.__dict__, "meta": {**model.meta, "errors": errors(again, samples)}})

@@ -12,7 +12,8 @@ Each point makes the engine run steps of one shape, from requests of random toke
 A step's time is `LLMEngine.step()` on the wall clock: scheduling, the forward pass,
 sampling, detokenizing and emitting, as the server's engine thread runs it. Each point
 keeps the median of its repeats. The shape of each timed step is read from the
-scheduler's own plan (step_shape.py), so the fit sees exactly what ran.
+scheduler's own plan by the engine (step_shape.py, as --step-log does), so the fit sees
+exactly what ran.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 import numpy as np
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.sim.step_shape import StepShape, shape_of
+from kvserve.sim.step_shape import StepShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,31 +71,17 @@ class Sample:
 
 
 class _Timed:
-    """Steps the engine, timing each step and reading its shape from the scheduler's plan."""
+    """Steps the engine, timing each step; its shape is the one the engine read from the
+    scheduler's plan (`LLMEngine.read_step_shapes`, as for --step-log)."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.rule = engine.runner.shared_prefix_rule if engine.runner.shared_prefix_attention == "auto" else None
-        self.block_size = engine.config.block_size
-        self._schedule = engine.scheduler.schedule
-        self.last: StepShape | None = None
+        engine.read_step_shapes = True
 
     def step(self) -> tuple[StepShape, float]:
-        scheduler = self.engine.scheduler
-        schedule = self._schedule
-
-        def schedule_and_read():
-            plan = schedule()
-            self.last = shape_of(plan, self.block_size, self.rule)
-            return plan
-
-        scheduler.schedule = schedule_and_read
-        try:
-            start = time.perf_counter()
-            self.engine.step()
-            return self.last, time.perf_counter() - start
-        finally:
-            scheduler.schedule = schedule
+        start = time.perf_counter()
+        self.engine.step()
+        return self.engine.last_step_shape, time.perf_counter() - start
 
     def drain(self) -> None:
         while self.engine.has_unfinished_requests():
