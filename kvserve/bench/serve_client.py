@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from typing import Any
 
@@ -59,6 +60,26 @@ def _error_text(body: bytes) -> str:
         return body.decode(errors="replace")[:200]
 
 
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(response: httpx.Response):
+    """The event stream's lines, ended by CR, LF or CRLF only, as the SSE format defines them.
+    Not httpx's `aiter_lines`: it splits like `str.splitlines`, also at U+2028, U+2029 and
+    U+0085, which JSON leaves unescaped, so a token whose text holds one would cut its chunk
+    in two (pydantic's JSON, which kvserve and vLLM send, writes them raw)."""
+    pending = ""
+    async for text in response.aiter_text():
+        buffer = pending + text
+        held = buffer.endswith("\r")  # a CR at the end may be half of a CRLF: wait for the next chunk
+        lines = _SSE_LINE_END.split(buffer[:-1] if held else buffer)
+        pending = lines.pop() + ("\r" if held else "")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 async def send_completion(client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_tokens: int) -> RequestRecord:
     record = RequestRecord(ok=False, prompt_tokens=prompt_tokens, output_tokens=0, sent_at_s=time.perf_counter())
     last_chunk_s = None
@@ -68,7 +89,7 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict[str
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {_error_text(await response.aread())}"
                 return record
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()

@@ -21,8 +21,9 @@ MODEL_ID = "fake-model"
 
 
 class FakeServer:
-    def __init__(self, token_delay_s: float = 0.002, accept_token_ids: bool = True):
+    def __init__(self, token_delay_s: float = 0.002, accept_token_ids: bool = True, token_text: str = " t{i}"):
         self.token_delay_s = token_delay_s
+        self.token_text = token_text  # each chunk's text, formatted with its index i
         self.accept_token_ids = accept_token_ids
         self.in_flight = 0
         self.max_in_flight = 0
@@ -55,8 +56,10 @@ class FakeServer:
             for i in range(max_tokens):
                 await asyncio.sleep(self.token_delay_s)
                 last = i == max_tokens - 1
-                choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
-                yield f"data: {json.dumps({'id': 'cmpl-1', 'object': 'text_completion', 'choices': [choice]})}\n\n"
+                choice = {"index": 0, "text": self.token_text.format(i=i), "finish_reason": "length" if last else None}
+                # unescaped non-ASCII, as pydantic's JSON (kvserve's, vLLM's) writes it
+                chunk = json.dumps({"id": "cmpl-1", "object": "text_completion", "choices": [choice]}, ensure_ascii=False)
+                yield f"data: {chunk}\n\n"
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens, "total_tokens": prompt_tokens + max_tokens}
             yield f"data: {json.dumps({'id': 'cmpl-1', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"

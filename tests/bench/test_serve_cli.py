@@ -77,3 +77,37 @@ def test_unreachable_server_is_one_line(capsys):
 def test_bad_rate_flag(capsys):
     assert main(["bench", "serve", "--request-rate", "0"]) == 1
     assert "--request-rate" in capsys.readouterr().err
+
+
+def test_text_with_unicode_line_separators_is_one_chunk(tmp_path):
+    """U+2028, U+2029 and U+0085 are not line ends in an event stream; JSON leaves them raw."""
+    server = FakeServer(token_delay_s=0.001, token_text="a\u2028b\u2029c\x85d{i}")
+    out = tmp_path / "serve.json"
+    with RunningServer(server.app) as running:
+        assert main(_serve(running.url, "--json", str(out))) == 0
+    row = json.loads(out.read_text())["results"]["sweep"][0]
+    assert row["completed"] == 6 and row["failed"] == 0
+    assert row["itl_ms"]["count"] == 6 * (OUTPUT_LEN - 1)
+
+
+@pytest.mark.parametrize("chunks", [
+    ["data: a\r\n\r\ndata: b\n\n"],
+    ["data: a\r", "\n\r", "\ndata: b\n", "\n"],  # CRLFs cut between chunks
+    ["data: a\r\rdata: b\r\r"],  # lone CRs
+    ["data: a\u2028x\n", "\ndata: b"],  # a separator inside a line; the last line unterminated
+])
+def test_sse_lines_end_at_cr_lf_or_crlf_only(chunks):
+    import asyncio
+
+    from kvserve.bench.serve_client import sse_lines
+
+    class Response:  # what sse_lines reads of an httpx.Response
+        async def aiter_text(self):
+            for c in chunks:
+                yield c
+
+    async def collect():
+        return [line async for line in sse_lines(Response())]
+
+    lines = [line for line in asyncio.run(collect()) if line]
+    assert lines in (["data: a", "data: b"], ["data: a\u2028x", "data: b"])
