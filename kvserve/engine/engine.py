@@ -596,6 +596,8 @@ class LLMEngine:
         counters.generation_tokens += len(update.sampled)
         for req in update.finished:
             counters.finished[req.status.value] += 1
+            if self.step_log is not None:
+                self.step_log.record_request(req)
 
     def _count_kv_reads(self, batch) -> None:
         meta, c_kv = batch.meta, self.layout.kv_bytes_per_position

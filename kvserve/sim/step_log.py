@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 from kvserve.errors import ConfigError
@@ -35,7 +36,22 @@ class StepLog:
         self._file.write(json.dumps({HEADER_KEY: 1, **header}) + "\n")
 
     def record(self, shape: StepShape, seconds: float) -> None:
-        line = json.dumps({"seconds": round(seconds, 7), **shape.as_dict()}, separators=(",", ":"))
+        # "end": time.monotonic() when recorded, the clock requests' arrival times use, so the
+        # gaps between steps (the engine thread not stepping) can be read from a log too
+        row = {"seconds": round(seconds, 7), "end": round(time.monotonic(), 6), **shape.as_dict()}
+        line = json.dumps(row, separators=(",", ":"))
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def record_request(self, request) -> None:
+        """A finished request's timestamps (engine.request.RequestTiming, the same monotonic
+        clock as "end"), so a log can tell, beside a client's own figures, where a request's
+        time went: before it reached the engine, queued, computing, and after its first token."""
+        t = request.timing
+        row = {"request": request.request_id, "prompt_tokens": request.num_prompt_tokens,
+               "output_tokens": len(request.output_token_ids), "arrival": t.arrival,
+               "first_scheduled": t.first_scheduled, "first_token": t.first_token, "finished": t.finished}  # fmt: skip
+        line = json.dumps(row, separators=(",", ":"))
         with self._lock:
             self._file.write(line + "\n")
 
@@ -68,8 +84,23 @@ def read_step_log(path: str | Path) -> tuple[dict, list]:
             if HEADER_KEY in row:
                 header = row
                 continue
+            if "request" in row:  # a finished request's timestamps (record_request)
+                continue
             shape = StepShape(**{k: int(row[k]) for k in fields})
             out.append(Sample(kind_of(shape), shape, float(row["seconds"])))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError("step_log", f"{path}:{number} is not a step record ({exc})") from None
     return header, out
+
+
+def read_timeline(path: str | Path) -> tuple[list[tuple[float, float]], list[dict]]:
+    """(every logged step's (start, end) on the monotonic clock, every finished request's
+    timestamps as record_request wrote them), each in the log's order."""
+    spans, requests = [], []
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "request" in row:
+            requests.append(row)
+        elif "end" in row:
+            spans.append((row["end"] - row["seconds"], row["end"]))
+    return spans, requests

@@ -18,7 +18,7 @@ from kvserve.errors import ConfigError
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.calibrate import calibrate_in_process
 from kvserve.sim.measure import Grid
-from kvserve.sim.step_log import StepLog, read_step_log
+from kvserve.sim.step_log import StepLog, read_step_log, read_timeline
 from kvserve.sim.step_model import load_step_model
 from kvserve.sim.step_shape import StepShape
 
@@ -42,7 +42,8 @@ def test_generate_writes_a_header_and_a_line_per_step(tiny_llama, tmp_path):
     assert (header["num_layers"], header["d_model"], header["num_kv_heads"]) == (2, 64, 2)
     assert header["kv_bytes_per_position"] == TINY_KV_BYTES and header["model_len"] == 512
     assert header["vocab_size"] >= 300 and header["block_size"] == 16 and header["dtype"] == "float32"
-    assert len(lines) == 1 + 4  # the prompts' step, then three decode steps; no empty step
+    # the prompts' step, then three decode steps (no empty step), and a line per finished request
+    assert len(lines) == 1 + 4 + 2
     read_header, samples = read_step_log(path)
     assert read_header == header
     assert [s.kind for s in samples] == ["prefill", "decode", "decode", "decode"]
@@ -51,6 +52,12 @@ def test_generate_writes_a_header_and_a_line_per_step(tiny_llama, tmp_path):
     assert [s.shape.decode_kv_positions for s in samples[1:]] == [17, 19, 21]
     assert all(s.shape.decode_rows == s.shape.sample_rows == 2 for s in samples[1:])
     assert all(s.seconds > 0 and not s.held_out for s in samples)
+    spans, requests = read_timeline(path)
+    assert len(spans) == 4 and all(a < b <= c for (a, b), (c, _) in zip(spans, spans[1:]))  # monotonic, in order
+    assert sorted(r["prompt_tokens"] for r in requests) == [5, 10] and all(r["output_tokens"] == 4 for r in requests)
+    for r in requests:  # each timestamp on the steps' clock: in by the first step, first token from it, out at the last
+        assert r["arrival"] <= r["first_scheduled"] <= spans[0][0] + 0.05
+        assert spans[0][0] <= r["first_token"] <= spans[0][1] and spans[-1][0] <= r["finished"] <= spans[-1][1]
 
 
 def _log(path, steps: int = 2) -> None:
@@ -119,9 +126,13 @@ def test_calibrate_through_the_server(tiny_llama, tmp_path, capsys):
     assert "fitted step model (seconds)" in out and f"wrote {path}" in out.replace("\n", "")
     model = load_step_model(path)
     assert model.meta["measured"] == "through its server" and "through its server" in model.label
-    overheads = model.meta["request_overheads_s"]  # each lone prompt's TTFT at the client less its logged step
-    assert model.request_overhead >= 0
-    assert model.request_overhead == (max(0.0, statistics.median(overheads)) if overheads else 0.0)
+    overheads = model.meta["request_overheads_s"]  # each lone prompt: TTFT at the client less the server's time for it
+    assert overheads and all(-0.05 < o < 5 for o in overheads)
+    assert model.request_overhead == max(0.0, statistics.median(overheads))
+    # the serving phase's requests sent while a step ran: the same
+    busy = model.meta["busy_request_overheads_s"]
+    assert busy and all(-0.05 < o < 5 for o in busy)
+    assert model.busy_request_overhead == max(0.0, statistics.median(busy))
     assert model.meta["engine"]["kv_bytes_per_position"] == TINY_KV_BYTES == model.kv_bytes_per_position
     assert model.meta["engine_flags"][model.meta["engine_flags"].index("--threads") + 1] == "1"
     assert "held_out" in model.meta["errors"] and model.meta["samples"]
