@@ -7,25 +7,27 @@ In one sitting (the machine's speed drifts between sittings):
 2. per scenario, a real `kvserve serve` starts on a loopback port with the scenario's engine
    flags, takes two warm-up requests, then serves the workload at three request rates
    (`kvserve bench serve`'s client: streamed completions of random token ids with
-   ignore_eos, gamma arrivals);
+   ignore_eos, Poisson arrivals), each rate twice (`--repeat`, on by default): run B has run
+   A's lengths and send times and other token ids;
 3. the simulator serves the same requests (the same ids, lengths and send times) on a
    simulated instance with the same flags;
-4. predicted and measured p50 and p90 of TTFT and TPOT are printed with their relative error.
+4. predicted and measured p50 and p90 of TTFT and TPOT are printed with their relative error,
+   and, beside them, run B's figures against run A's: how far the machine repeats itself,
+   the floor under any prediction's error.
 
 The machine's speed drifts within minutes on a shared host (36-68 GB/s memory bandwidth within
-an hour here), more than the 10% the comparison is judged by. So each rate's run is bracketed
-by a probe: a few lone requests (128 prompt tokens, 48 out) whose TTFT and TPOT are compared
-with the same probe measured by the calibration, right after fitting; the model's prompt costs
-are scaled by the TTFT ratio and its per-step and per-row costs by the TPOT ratio (each the
-mean of the probes before and after) for that rate, and the factors are printed beside its
-figures. Measured against measured, the factors hold the machine's drift and nothing of the
-fit's own error.
-`--no-probe` compares with the model as fitted.
+an hour here), more than the 10% the comparison is judged by. So each run is bracketed by
+probes: a few lone requests (128 prompt tokens, 48 out) whose TPOT is compared with the same
+probe measured at the calibration's start and end; the model's costs are all scaled by that
+ratio (the mean of the probes before and after the run), printed beside its figures. One
+factor, from TPOT: a probe's TTFT is one step per request and moved by twice as much as the
+run's steps did when both were measured. `--no-probe` compares with the model as fitted.
 
 Scenarios: `plain`; `chunked` (long prompts cut into 256-position chunks that share steps with
 decoding); `shared-prefix` (4 system prompts of 512 tokens before 64 own tokens: prefix-cache
-hits); `preempt` (a KV pool too small for the load: preemption by recompute). The rates, unless
-given, are 30%, 60% and 85% of the simulated instance's saturated rate for the scenario.
+hits); `preempt` (a 32 MiB KV pool, too small for the load: preemption by recompute, counted
+on both sides). The rates, unless given, are 30%, 60% and 85% of the simulated instance's
+saturated rate for the scenario.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -69,8 +72,7 @@ SCENARIOS = {
     "plain": Scenario("plain", 128, 128),
     "chunked": Scenario("chunked", 1024, 64, server_flags=("--long-prefill-token-threshold", "256")),
     "shared-prefix": Scenario("shared-prefix", 64, 128, shared_prefix_len=512, num_prefixes=4),
-    "preempt": Scenario("preempt", 256, 256, range_ratio=0.25, server_flags=("--kv-cache-memory", "40MiB"),
-                        rate_fractions=(0.5, 0.8, 1.0)),  # fmt: skip
+    "preempt": Scenario("preempt", 256, 256, range_ratio=0.25, server_flags=("--kv-cache-memory", "32MiB")),
 }
 
 
@@ -90,6 +92,9 @@ def register(sub) -> None:
     p.add_argument("--server-timeout-s", type=float, default=300.0, help="wait this long for a server to start")
     p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
                    help="scale the model per rate by the machine's speed now, from probe requests around the run (default on)")
+    p.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve each rate's workload a second time (the same lengths and send times, other token ids): "
+                        "the server against itself, how far this machine repeats its own figures (default on)")
     p.add_argument("--json", metavar="FILE", help="write every figure, predicted and measured, as JSON")
     p.set_defaults(func=run)
 
@@ -115,7 +120,8 @@ def _rates(sim, scenario: Scenario, seed: int, given: str | None) -> list[float]
         return rates
     from kvserve.sim.report import summary
 
-    capacity = summary(sim.run(_sim_requests(scenario, 200, math.inf, seed)))["request_throughput_req_per_s"]
+    w = _workload(scenario, 200, seed, 32000)
+    capacity = summary(sim.run(_sim_requests(w, math.inf, seed)))["request_throughput_req_per_s"]
     return [round(capacity * f, 3) for f in scenario.rate_fractions]
 
 
@@ -125,11 +131,36 @@ def _workload(scenario: Scenario, num: int, seed: int, vocab_size: int):
                           num_prefixes=scenario.num_prefixes)  # fmt: skip
 
 
-def _sim_requests(scenario: Scenario, num: int, rate: float, seed: int, vocab_size: int = 32000):
+def _fresh_ids(workload, scenario: Scenario, seed: int, vocab_size: int):
+    """`workload` again with other random token ids: the same lengths, and the same requests
+    sharing a prefix (a new one), so a second run meets a cold prefix cache as the first did."""
+    from kvserve.bench.workload import Workload, random_token_ids
+
+    rng = np.random.default_rng([seed, 1])
+    n = scenario.shared_prefix_len
+    prefixes: dict[tuple, list[int]] = {}
+    prompts = []
+    for p in workload.prompts:
+        head = prefixes.setdefault(tuple(p[:n]), random_token_ids(n, vocab_size, rng)) if n else []
+        prompts.append(head + random_token_ids(len(p) - len(head), vocab_size, rng))
+    return Workload(prompts, list(workload.output_lens))
+
+
+def _sim_requests(workload, rate: float, seed: int):
+    """The workload's requests, sent when `kvserve bench serve` sends them at `rate` with `seed`."""
     from kvserve.sim.workload import from_lists
 
-    w = _workload(scenario, num, seed, vocab_size)
-    return from_lists(w.prompts, w.output_lens, send_times_s(interarrival_gaps_s(num, rate, 1.0, seed)))
+    n = len(workload.prompts)
+    return from_lists(workload.prompts, workload.output_lens, send_times_s(interarrival_gaps_s(n, rate, 1.0, seed)))
+
+
+def _preemptions(base: str) -> int:
+    """The server's preemptions so far (GET /v1/engine/stats)."""
+    import httpx
+
+    response = httpx.get(base + "/engine/stats", timeout=30)
+    response.raise_for_status()
+    return int(response.json()["preemptions"])
 
 
 def _instance_spec(scenario: Scenario):
@@ -189,26 +220,31 @@ def run(args) -> int:
                         burstiness=1.0, max_concurrency=1, seed=args.seed, timeout_s=120, progress=False)  # fmt: skip
             for index, rate in enumerate(rates):
                 seed = args.seed + 1 + index
-                probe_before = probe_server(base, model_name, 20_000 + seed, vocab) if reference else None
-                w = _workload(scenario, args.num_prompts, seed, vocab)
-                records, duration = run_at_rate(base, model_name, w.prompts, [len(p) for p in w.prompts], w.output_lens,
-                                                rate=rate, burstiness=1.0, max_concurrency=None, seed=seed, timeout_s=600,
-                                                progress=sys.stderr.isatty())  # fmt: skip
-                measured = load_metrics(records, duration, SLO())
-                if measured["failed"]:
-                    raise BenchError(f"{scenario.name} at {rate} req/s: {measured['failed']} request(s) failed: {measured['errors']}")
-                factors = (1.0, 1.0)  # prefill, decode
-                if reference:
-                    after = probe_server(base, model_name, 30_000 + seed, vocab)
-                    factors = tuple((probe_before[k] + after[k]) / 2 / reference[k] for k in ("ttft_s", "tpot_s"))
-                scaled = Simulator(sim.deployment, model.scaled(decode=factors[1], prefill=factors[0]))
-                from kvserve.sim.report import summary
+                first = _workload(scenario, args.num_prompts, seed, vocab)
+                # run B: the same lengths and send times, other token ids (no prefix hit on run A's prompts)
+                runs = [("A", first)] + ([("B", _fresh_ids(first, scenario, seed, vocab))] if args.repeat else [])
+                probes = [probe_server(base, model_name, 20_000 + seed, vocab)] if reference else []
+                for run_name, w in runs:
+                    preempted = _preemptions(base)
+                    records, duration = run_at_rate(base, model_name, w.prompts, [len(p) for p in w.prompts], w.output_lens,
+                                                    rate=rate, burstiness=1.0, max_concurrency=None, seed=seed, timeout_s=600,
+                                                    progress=sys.stderr.isatty())  # fmt: skip
+                    preempted = _preemptions(base) - preempted
+                    measured = load_metrics(records, duration, SLO())
+                    if measured["failed"]:
+                        raise BenchError(f"{scenario.name} at {rate} req/s: {measured['failed']} request(s) failed: {measured['errors']}")
+                    factor, ttft_ratio = 1.0, None
+                    if reference:
+                        probes.append(probe_server(base, model_name, 30_000 + seed + len(probes), vocab))
+                        factor = (probes[-2]["tpot_s"] + probes[-1]["tpot_s"]) / 2 / reference["tpot_s"]
+                        ttft_ratio = (probes[-2]["ttft_s"] + probes[-1]["ttft_s"]) / 2 / reference["ttft_s"]
+                    from kvserve.sim.report import summary
 
-                predicted = summary(scaled.run(_sim_requests(scenario, args.num_prompts, rate, seed, vocab)))
-                results.append({"scenario": scenario.name, "rate_req_per_s": rate, "speed_factors": {"prefill": factors[0], "decode": factors[1]},
-                                "predicted": _stats(predicted), "measured": _stats(measured),
-                                "predicted_preemptions": predicted["preemptions"], "measured_preemptions": None,
-                                "predicted_prefix_hit_rate": predicted["prefix_cache_hit_rate"]})  # fmt: skip
+                    predicted = summary(Simulator(sim.deployment, model.scaled(factor)).run(_sim_requests(w, rate, seed)))
+                    results.append({"scenario": scenario.name, "rate_req_per_s": rate, "run": run_name, "speed_factor": factor,
+                                    "probe_ttft_ratio": ttft_ratio, "predicted": _stats(predicted), "measured": _stats(measured),
+                                    "predicted_preemptions": predicted["preemptions"], "measured_preemptions": preempted,
+                                    "predicted_prefix_hit_rate": predicted["prefix_cache_hit_rate"]})  # fmt: skip
         finally:
             stop_server(proc)
     _render(results, model, console)
@@ -217,27 +253,61 @@ def run(args) -> int:
 
         step_model = {k: v for k, v in model.as_dict().items() if k != "meta"}
         step_model["meta"] = {k: v for k, v in model.meta.items() if k != "samples"}  # the samples stay in the model file
-        data = envelope("sim-vs-real", vars(args), {"step_model": step_model, "results": results}, before)
+        data = envelope("sim-vs-real", vars(args), {"step_model": step_model, "results": results, "summary": summarize(results)},
+                        before)  # fmt: skip
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
         console.print(f"wrote {args.json}", highlight=False)
     return 0
 
 
-def _cell(row: dict, key: str) -> str:
-    p, m = row["predicted"][key], row["measured"][key]
+KEYS = ("ttft_median", "ttft_p90", "tpot_median", "tpot_p90")
+
+
+def _within(predicted: float | None, measured: float | None, key: str) -> bool:
+    """The target: p50 within ±10%, p90 within ±15%."""
+    err = _relative(predicted, measured)
+    return err is not None and abs(err) <= (0.10 if "median" in key else 0.15)
+
+
+def _cell(p: float | None, m: float | None, key: str) -> str:
     err = _relative(p, m)
-    return "—" if err is None else f"{p:.1f} / {m:.1f} ({err:+.0%})"
+    return "—" if err is None else f"{p:.1f} / {m:.1f} ({err:+.0%})" + ("" if _within(p, m, key) else " ✗")
+
+
+def _pairs(results: list[dict]) -> list[tuple[dict, dict]]:
+    """(run A, run B) of each scenario and rate served twice."""
+    first = {(r["scenario"], r["rate_req_per_s"]): r for r in results if r["run"] == "A"}
+    return [(first[(r["scenario"], r["rate_req_per_s"])], r) for r in results if r["run"] == "B"]
+
+
+def summarize(results: list[dict]) -> dict[str, int]:
+    """How many figures meet the target: the simulator against each run, and run B against run A."""
+    sim = [_within(r["predicted"][k], r["measured"][k], k) for r in results for k in KEYS]
+    again = [_within(b["measured"][k], a["measured"][k], k) for a, b in _pairs(results) for k in KEYS]
+    return {"simulator_within": sum(sim), "simulator_figures": len(sim), "again_within": sum(again), "again_figures": len(again)}
 
 
 def _render(results: list[dict], model, console: Console) -> None:
     console.print(f"step model: {model.label or model.source}", markup=False, highlight=False)
-    table = Table(title="simulated / measured, ms (relative error)", title_justify="left")
-    for name in ("scenario", "rate", "slower ×", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"):
+    table = Table(title="simulated / measured, ms (relative error; ✗ outside p50 ±10%, p90 ±15%)", title_justify="left")
+    for name in ("scenario", "rate", "run", "slower ×", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "preempted"):
         table.add_column(name, no_wrap=True)
-    for row in results:
-        table.add_row(row["scenario"], f"{row['rate_req_per_s']:.3g}", f"{row['speed_factors']['prefill']:.2f}/{row['speed_factors']['decode']:.2f}", _cell(row, "ttft_median"),
-                      _cell(row, "ttft_p90"), _cell(row, "tpot_median"), _cell(row, "tpot_p90"))  # fmt: skip
+    for r in results:
+        table.add_row(r["scenario"], f"{r['rate_req_per_s']:.3g}", r["run"], f"{r['speed_factor']:.2f}",
+                      *(_cell(r["predicted"][k], r["measured"][k], k) for k in KEYS),
+                      f"{r['predicted_preemptions']} / {r['measured_preemptions']}")  # fmt: skip
     console.print(table)
-    within = [abs(_relative(r["predicted"][k], r["measured"][k]) or 0) <= (0.10 if "median" in k else 0.15)
-              for r in results for k in r["predicted"]]  # fmt: skip
-    console.print(f"{sum(within)} of {len(within)} figures within the target (p50 ±10%, p90 ±15%)", highlight=False)
+    pairs = _pairs(results)
+    if pairs:
+        table = Table(title="the server against itself: run B / run A, ms (the same lengths and send times)", title_justify="left")
+        for name in ("scenario", "rate", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "preempted"):
+            table.add_column(name, no_wrap=True)
+        for a, b in pairs:
+            table.add_row(a["scenario"], f"{a['rate_req_per_s']:.3g}", *(_cell(b["measured"][k], a["measured"][k], k) for k in KEYS),
+                          f"{b['measured_preemptions']} / {a['measured_preemptions']}")  # fmt: skip
+        console.print(table)
+    n = summarize(results)
+    line = f"simulator: {n['simulator_within']} of {n['simulator_figures']} figures within the target (p50 ±10%, p90 ±15%)"
+    if pairs:
+        line += f"; the server against itself: {n['again_within']} of {n['again_figures']}"
+    console.print(line, highlight=False)

@@ -285,7 +285,7 @@ def _calibrate_engine(args) -> int:
     table.add_column("value", justify="right")
     from kvserve.sim.step_model import COEFFICIENTS
 
-    for name in COEFFICIENTS:
+    for name in (*COEFFICIENTS, "request_overhead", "busy_request_overhead"):
         table.add_row(name, f"{getattr(model, name):.4g}")
     console.print(table)
     table = Table(title="fit error |predicted/measured − 1|", title_justify="left")

@@ -25,13 +25,13 @@ from kvserve.sim.step_model import StepTimeModel, default_model_path, errors, fi
 
 
 def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: dict,
-                  request_overhead: float = 0.0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
+                  request_overhead: float = 0.0, busy_request_overhead: float = 0.0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
     model = fit(
         samples, label=f"fitted: kvserve {how} on {cpu_model()} ({engine['model']}, {engine['threads']} threads)",
         model_name=engine["model"], num_layers=engine["num_layers"], d_model=engine["d_model"],
         num_kv_heads=engine.get("num_kv_heads", 0),
         kv_bytes_per_position=float(engine["kv_bytes_per_position"]), model_len=int(engine["model_len"]),
-        request_overhead=request_overhead,
+        request_overhead=request_overhead, busy_request_overhead=busy_request_overhead,
     )  # fmt: skip
     errs = errors(model, samples)
     meta = {"measured_at": datetime.now(timezone.utc).isoformat(), "cpu": cpu_model(), "measured": how,
@@ -67,9 +67,10 @@ def calibrate_through_server(engine_flags: list[str], grid: Grid = Grid(), outpu
 
     with tqdm(total=num_points(grid), desc="timing served steps", unit="shape", disable=not progress, leave=False) as bar:
         samples, found = measure_through_server(engine_flags, grid, seed=seed, progress=lambda: bar.update(1))
-    overheads = found["request_overheads_s"]
+    overheads, busy = found["request_overheads_s"], found["busy_request_overheads_s"]
     extra = {"engine_flags": engine_flags, "step_log": found["step_log"], "warm_up_steps": found["warm_up_steps"],
-             "request_overheads_s": overheads, "probe": found["probe"]}  # fmt: skip
-    # the median: a request that met a noisy step says little of the HTTP path's own time
+             "request_overheads_s": overheads, "busy_request_overheads_s": busy, "probe": found["probe"]}  # fmt: skip
+    # medians: a request that met a noisy step says little of the HTTP path's own time
     overhead = max(0.0, statistics.median(overheads)) if overheads else 0.0
-    return _fit_and_save(samples, found["engine"], "through its server", output, extra, overhead)
+    busy_overhead = max(0.0, statistics.median(busy)) if busy else 0.0
+    return _fit_and_save(samples, found["engine"], "through its server", output, extra, overhead, busy_overhead)

@@ -43,6 +43,11 @@ class Grid:
     # through the server only: requests arriving while it computes (their HTTP handling shares the
     # cores): (requests, mean gap s, prompt lo, hi, output lo, hi), Poisson
     arrivals: tuple[int, float, int, int, int, int] = (48, 0.15, 32, 512, 16, 96)
+    # through the server only: a serving load, Poisson at this fraction of the rate the steps
+    # fitted so far say the server sustains: (requests, load, prompt lo, hi, output lo, hi).
+    # Its steps are fitted like the rest (a serving mix of shapes); the requests sent while a
+    # step runs measure the busy request overhead.
+    serving: tuple[int, float, int, int, int, int] = (40, 0.5, 64, 256, 32, 128)
     repeats: int = 3
     decode_steps: int = 4  # timed steps per decode point, after the prompts are in
 
@@ -51,7 +56,8 @@ class Grid:
         """A small grid for tests: seconds, not minutes."""
         return cls(prefill_tokens=(16, 64, 160), prefill_cached=(0, 64), decode_rows=(1, 4, 12), decode_context=(32, 96),
                    mixed=((4, 48, 64), (8, 32, 32)), held_out=((0, 0, 48), (6, 40, 0), (3, 40, 40)),
-                   arrivals=(8, 0.05, 16, 64, 4, 12), repeats=2, decode_steps=2)  # fmt: skip
+                   arrivals=(12, 0.01, 16, 64, 8, 24), serving=(12, 0.5, 16, 64, 8, 24), repeats=2,
+                   decode_steps=2)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +139,7 @@ def measure(engine, grid: Grid = Grid(), seed: int = 0, progress=None) -> list[S
 def num_points(grid: Grid) -> int:
     """Grid points, for a progress bar (some may be skipped where the engine's pool is small)."""
     return len(grid.prefill_cached) * len(grid.prefill_tokens) + len(grid.decode_context) * len(grid.decode_rows) \
-        + len(grid.mixed) + len(grid.held_out) + 1  # fmt: skip
+        + len(grid.mixed) + len(grid.held_out) + 2  # fmt: skip
 
 
 def _prefill_point(engine, timed: _Timed, rng, s0: int, t: int, grid: Grid, vocab: int, exclude, held_out: bool) -> Sample:

@@ -28,7 +28,7 @@ import numpy as np
 from kvserve.bench.serve_client import completion_payload, send_completion
 from kvserve.errors import ConfigError
 from kvserve.sim.measure import Grid, Sample
-from kvserve.sim.step_log import read_step_log
+from kvserve.sim.step_log import read_step_log, read_timeline
 
 _SERVING = re.compile(r"serving (\S+) at (http://\S+)/v1")
 
@@ -41,23 +41,31 @@ class _Client:
     def ids(self, n: int) -> list[int]:
         return self.rng.integers(1, self.vocab, size=n).tolist()
 
-    async def one(self, client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> float:
-        """Its TTFT as this client saw it."""
+    async def one(self, client: httpx.AsyncClient, prompt: list[int], max_tokens: int, timings: list | None = None) -> float:
+        """Its TTFT as this client saw it; appended to `timings` with when it was sent and its
+        prompt's length: (sent, prompt tokens, TTFT)."""
+        sent = time.monotonic()  # the server's clock too: one host
         record = await send_completion(client, self.url, completion_payload(self.model, prompt, max_tokens), len(prompt))
         if record.ok:
-            return record.ttft_s
-        if record.e2e_s is not None and record.output_tokens >= 1:  # its tokens made no text (a partial character)
-            return record.e2e_s
-        raise ConfigError("calibrate", f"a calibration request failed: {record.error}")
+            ttft = record.ttft_s
+        elif record.e2e_s is not None and record.output_tokens >= 1:  # its tokens made no text (a partial character)
+            ttft = record.e2e_s
+        else:
+            raise ConfigError("calibrate", f"a calibration request failed: {record.error}")
+        if timings is not None:
+            timings.append((sent, len(prompt), ttft))
+        return ttft
 
     async def together(self, client, prompts: list[list[int]], max_tokens: int) -> None:
         await asyncio.gather(*(self.one(client, p, max_tokens) for p in prompts))
 
 
-async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int, progress) -> tuple[int, int, list[float]]:
+async def _drive(client_: _Client, grid: Grid, log: Path, header: dict, limit: int, pool: int,
+                 progress) -> tuple[int, int, int, list[float], list[float]]:  # fmt: skip
     """Every grid point through the server; returns the logged steps' counts where the fitted
-    phase starts and where the held-out phase starts, and the request overheads: for each
-    prompt sent alone to an idle server, its TTFT at the client less its one step in the log."""
+    phase starts, where the held-out phase starts and where it ends, and the request overheads: for each
+    prompt sent alone to an idle server, and for each request of the serving phase sent while a
+    step ran (_overheads)."""
     c = client_
     steps_per_point = grid.decode_steps * (grid.repeats + 1)
 
@@ -76,7 +84,7 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
         await c.together(client, [c.ids(64), c.ids(64)], 8)  # warm-up: the first steps of a fresh server
         fitted_from = await lines()
 
-        ttfts: list[float] = []  # of the prefill phase's requests, one step each, in the log's order
+        lone: list[tuple[float, int, float]] = []  # the prefill phase's requests, each sent to an idle server
 
         async def prefill(s0: int, t: int) -> None:
             if s0 + t + 1 > limit or t > limit:
@@ -84,8 +92,8 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
             for _ in range(grid.repeats):
                 prefix = c.ids(s0)
                 if s0:
-                    ttfts.append(await c.one(client, prefix + c.ids(1), 1))
-                ttfts.append(await c.one(client, prefix + c.ids(t), 1))
+                    await c.one(client, prefix + c.ids(1), 1, lone)
+                await c.one(client, prefix + c.ids(t), 1, lone)
 
         async def decode(rows: int, context: int, chunk: int) -> None:
             if rows * (context + steps_per_point + 8) + chunk > pool or rows + chunk > limit:
@@ -101,16 +109,18 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
             finally:
                 await batch
 
-        async def arrivals() -> None:
-            n, gap, p_lo, p_hi, o_lo, o_hi = grid.arrivals
-            sent = []
+        async def poisson(n: int, gap: float, p_lo: int, p_hi: int, o_lo: int, o_hi: int) -> list[tuple[float, int, float]]:
+            """n requests, exponential gaps of mean `gap`; each one's (sent, prompt tokens, TTFT)."""
+            timings: list[tuple[float, int, float]] = []
+            tasks = []
             for _ in range(n):
                 await asyncio.sleep(float(c.rng.exponential(gap)))
                 prompt = c.ids(min(int(c.rng.integers(p_lo, p_hi + 1)), limit - o_hi - 1))
-                sent.append(asyncio.create_task(c.one(client, prompt, int(c.rng.integers(o_lo, o_hi + 1)))))
-            await asyncio.gather(*sent)
+                tasks.append(asyncio.create_task(c.one(client, prompt, int(c.rng.integers(o_lo, o_hi + 1)), timings)))
+            await asyncio.gather(*tasks)
             if progress is not None:
                 progress()
+            return timings
 
         async def point(rows: int, context: int, chunk: int) -> None:
             await (prefill(context, chunk) if rows == 0 else decode(rows, context, chunk))
@@ -120,18 +130,63 @@ async def _drive(client_: _Client, grid: Grid, log: Path, limit: int, pool: int,
         for s0 in grid.prefill_cached:
             for t in grid.prefill_tokens:
                 await point(0, s0, t)
-        steps = read_step_log(log)[1][fitted_from : await lines()]
-        overheads = [ttft - step.seconds for ttft, step in zip(ttfts, steps)] if len(steps) == len(ttfts) else []
+        await lines()
+        overheads = _overheads(log, lone, busy=False)
         for s in grid.decode_context:
             for r in grid.decode_rows:
                 await point(r, s, 0)
         for r, s, t in grid.mixed:
             await point(r, s, t)
-        await arrivals()
+        await poisson(*grid.arrivals)
+        n, load, *lengths = grid.serving
+        rate = _sustained_rate(read_step_log(log)[1][fitted_from : await lines()], header, n, lengths, c.rng)
+        busy_overheads = _overheads(log, await poisson(n, 1 / (load * rate), *lengths), busy=True)
         held_from = await lines()
         for r, s, t in grid.held_out:
             await point(r, s, t)
-    return fitted_from, held_from, overheads
+        held_until = await lines()  # the probe's steps after it are neither
+    return fitted_from, held_from, held_until, overheads, busy_overheads
+
+
+def _sustained_rate(samples: list[Sample], header: dict, n: int, lengths: list[int], rng) -> float:
+    """Requests/s the server sustains on the serving phase's workload, as the steps measured so
+    far predict it: a step model fitted to them, `kvserve sim` at saturation on the engine's
+    own pool and token budget."""
+    from kvserve.sim.instance import InstanceSpec
+    from kvserve.sim.simulator import Deployment, Simulator
+    from kvserve.sim.step_model import fit
+    from kvserve.sim.workload import SimRequest
+
+    model = fit(samples, kv_bytes_per_position=float(header["kv_bytes_per_position"]), model_len=int(header["model_len"]))
+    spec = InstanceSpec(kv_cache_memory=int(header["num_kv_positions"] * header["kv_bytes_per_position"]),
+                        block_size=int(header["block_size"]), max_num_batched_tokens=int(header["max_num_batched_tokens"]),
+                        max_model_len=int(header["max_model_len"]))  # fmt: skip
+    p_lo, p_hi, o_lo, o_hi = lengths
+    requests = [SimRequest(f"r{i}", 0.0, rng.integers(1, 30000, size=int(rng.integers(p_lo, p_hi + 1))).tolist(),
+                           int(rng.integers(o_lo, o_hi + 1))) for i in range(max(n, 32))]  # fmt: skip
+    run = Simulator(Deployment(instance=spec), model).run(requests)
+    return len(requests) / run.end_s
+
+
+def _overheads(log: Path, timings: list[tuple[float, int, float]], busy: bool) -> list[float]:
+    """The request overhead of each of a phase's requests (`timings`: (sent, prompt tokens,
+    TTFT)) sent while a step was running (`busy`) or while none was: its TTFT at the client
+    less the server's time from taking it in to the end of the step that made its first token
+    (the step log's request and step lines). Requests are paired with the server's in order of
+    arrival, and a pair whose prompt lengths differ is left out."""
+    spans, served = read_timeline(log)
+    if not timings:
+        return []
+    first_sent = min(sent for sent, _, _ in timings)
+    served = sorted((r for r in served if r["arrival"] >= first_sent and r["first_token"] is not None), key=lambda r: r["arrival"])
+    out = []
+    for (sent, prompt_tokens, ttft), r in zip(sorted(timings), served):
+        if r["prompt_tokens"] != prompt_tokens or any(a <= sent <= b for a, b in spans) != busy:
+            continue
+        made = next((b for a, b in spans if a <= r["first_token"] <= b), None)
+        if made is not None:
+            out.append(ttft - (made - r["arrival"]))
+    return out
 
 
 PROBE_PROMPT, PROBE_OUTPUT, PROBE_REQUESTS = 128, 48, 3
@@ -187,15 +242,21 @@ def measure_through_server(engine_flags: list[str], grid: Grid = Grid(), seed: i
         header, _ = read_step_log(log)
         client = _Client(base, model, min(header["vocab_size"], 32000), seed)  # ids of ordinary tokens in most vocabularies
         limit = min(header["max_model_len"], header["max_num_batched_tokens"])
-        fitted_from, held_from, overheads = asyncio.run(
-            _drive(client, grid, log, limit, min(header["num_kv_positions"], grid.max_decode_positions), progress)
+        probe_server(base, model, seed, client.vocab)  # a fresh server's first requests are slow: a warm-up
+        # the probe, at the start and at the end: the fit describes the machine over the whole
+        # calibration, so its speed is their mean (later probes are compared with it)
+        probes = [probe_server(base, model, seed + 1, client.vocab)]
+        fitted_from, held_from, held_until, overheads, busy_overheads = asyncio.run(
+            _drive(client, grid, log, header, limit, min(header["num_kv_positions"], grid.max_decode_positions), progress)
         )
         seconds = time.perf_counter() - started
-        probe = probe_server(base, model, seed, client.vocab)
+        probes.append(probe_server(base, model, seed + 2, client.vocab))
+        probe = {k: (probes[0][k] + probes[1][k]) / 2 for k in probes[0]}
     finally:
         stop_server(proc)
     header, samples = read_step_log(log)
-    out = samples[fitted_from:held_from] + [Sample(s.kind, s.shape, s.seconds, held_out=True) for s in samples[held_from:]]
+    out = samples[fitted_from:held_from] + [Sample(s.kind, s.shape, s.seconds, held_out=True) for s in samples[held_from:held_until]]
     return out, {"engine": header, "step_log": str(log), "server_log": str(workdir / "server.log"),
                  "warm_up_steps": fitted_from, "seconds": seconds, "request_overheads_s": overheads,
-                 "probe": probe}  # fmt: skip
+                 "busy_request_overheads_s": busy_overheads,
+                 "probe": probe, "probes": probes}  # fmt: skip

@@ -3,8 +3,9 @@
 Events on one modelled clock: a request arrives at the router; an instance's step ends; a
 handoff has crossed the link. An idle instance with work schedules a step at once (its
 real Scheduler decides what runs) and is busy for the step model's time. A request reaches
-the router the step model's `request_overhead` after it is sent (what the HTTP path costs,
-measured through the server), and its latencies count from the send, as a client's do.
+the router the step model's request overhead after it is sent (what the HTTP path costs,
+measured through the server; `busy_request_overhead` if an instance is stepping then), and
+its latencies count from the send, as a client's do.
 
 Deployments:
 - `replicas` colocated instances behind the router's own policy object (router/policy.py:
@@ -165,8 +166,8 @@ class _Run:
         self._handoffs: dict[str, tuple[SimInstance, SimRequest]] = {}  # prefill request id -> (decode instance, request)
         self.handoff_bytes = 0
         self.steps: list = []
-        for r in requests:  # a request reaches the router the model's request overhead after it was sent
-            self._push(r.arrival_s + sim.model.request_overhead, self._arrive, r)
+        for r in requests:
+            self._push(r.arrival_s, self._send, r)
 
     def _push(self, when: float, fn, *args) -> None:
         heapq.heappush(self._events, (when, next(self._seq), fn, args))
@@ -193,6 +194,13 @@ class _Run:
         text = self._text(prompt) if policy.name == "prefix" else ""
         chosen = policy.choose(fronts, text).replica
         return next(i for i in pool if self._fronts[i.name] is chosen)
+
+    def _send(self, r: SimRequest) -> None:
+        """A client sends `r`: it reaches the router the model's request overhead later, the
+        busy one if an instance is stepping now (its HTTP path then shares the cores with the
+        step; with several instances, whichever it will land on is not known yet, so any)."""
+        busy = any(inst.busy for inst in self.instances)
+        self._push(self.now + self.sim.model.overhead_s(busy), self._arrive, r)
 
     def _arrive(self, r: SimRequest) -> None:
         trace = self.traces[r.request_id]

@@ -60,6 +60,9 @@ class StepTimeModel:
     # s from a client sending a request to its first token, beyond the steps: HTTP in, admission,
     # the first token's way out (measured through the server; 0 for the engine alone)
     request_overhead: float = 0.0
+    # the same, for a request sent while the server is stepping: the HTTP path then shares the
+    # cores (and the GIL) with the engine thread and is several times slower; 0: as idle
+    busy_request_overhead: float = 0.0
     source: str = "fit"  # fit | datasheet
     label: str = ""  # where the figures came from, for reports
     model_name: str = ""
@@ -71,7 +74,7 @@ class StepTimeModel:
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        for name in (*COEFFICIENTS, "weight_read", "request_overhead"):
+        for name in (*COEFFICIENTS, "weight_read", "request_overhead", "busy_request_overhead"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError("step model", f"{name} must be a finite number >= 0, got {value!r}")
@@ -94,6 +97,11 @@ class StepTimeModel:
     def step_s(self, shape: StepShape) -> float:
         return sum(self.groups(shape).values())
 
+    def overhead_s(self, busy: bool) -> float:
+        """From a client sending a request to it reaching the scheduler, plus its first token's
+        way out: `busy` if the server is stepping when it is sent."""
+        return self.busy_request_overhead if busy and self.busy_request_overhead else self.request_overhead
+
     def scaled(self, decode: float, prefill: float | None = None) -> "StepTimeModel":
         """The same machine found slower (> 1) or faster now, as probes measured in the same
         sitting say (bench sim-vs-real): the per-step and per-row costs × `decode`, the prompt
@@ -103,7 +111,7 @@ class StepTimeModel:
         if not (decode > 0 and prefill > 0):
             raise ConfigError("step model", f"scale factors must be > 0, got {decode} and {prefill}")
         return dataclasses.replace(self, **{k: getattr(self, k) * (prefill if k in _PREFILL_COSTS else decode)
-                                            for k in (*COEFFICIENTS, "weight_read", "request_overhead")})
+                                            for k in (*COEFFICIENTS, "weight_read", *_OVERHEADS)})
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -124,7 +132,8 @@ class StepTimeModel:
         return path
 
 
-_PREFILL_COSTS = ("per_prefill_token", "per_mixed_prefill_token", "per_prefill_kv", "per_pair", "request_overhead")
+_OVERHEADS = ("request_overhead", "busy_request_overhead")
+_PREFILL_COSTS = ("per_prefill_token", "per_mixed_prefill_token", "per_prefill_kv", "per_pair", *_OVERHEADS)
 
 
 def default_model_path() -> Path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import itertools
+
 import pytest
 
 from kvserve.errors import ConfigError
@@ -60,6 +62,21 @@ def test_scheduler_clock_is_the_simulators():
     assert trace.token_times == pytest.approx(ends, rel=1e-12)  # each token when its modelled step ends
     assert inst.scheduler.clock() == run.end_s == trace.finished_s  # the scheduler reads modelled time
     assert inst.busy_s == pytest.approx(sum(s for _, _, s in run.steps), rel=1e-12) and inst.steps == 6
+
+
+def test_a_request_sent_while_the_instance_steps_pays_the_busy_overhead():
+    model = synthetic_model(request_overhead=0.003, busy_request_overhead=0.010)
+    first, second = request(0, 40, 20), request(1, 40, 2, arrival_s=0.02)
+    run = Simulator(deployment(), model, record_steps=True).run([first, second])
+    ends = list(itertools.accumulate((s for _, _, s in run.steps), initial=0.003))[1:]  # the first reaches it at 3 ms
+    assert ends[0] < 0.02 < ends[-1]  # the second is sent while the first decodes
+    # it reaches the scheduler 10 ms after its send and is in the first step that starts after that
+    k = next(k for k, end in enumerate(ends) if end >= 0.02 + 0.010) + 1
+    assert run.steps[k][1].prefill_rows == 1 and all(not shape.prefill_rows for _, shape, _ in run.steps[1:k])
+    second_trace = next(t for t in run.traces if t.request_id == second.request_id)
+    assert second_trace.ttft_s == pytest.approx(ends[k] - 0.02, rel=1e-9)
+    idle = Simulator(deployment(), model).run([request(1, 40, 2, arrival_s=5.0)]).traces[0]
+    assert idle.ttft_s == pytest.approx(0.003 + model.step_s(_prefill(40)), rel=1e-12)  # sent to an idle server
 
 
 def test_tensor_parallel_instance_runs_the_tp_step_and_holds_more_kv():

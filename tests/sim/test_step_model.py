@@ -130,7 +130,7 @@ def test_errors_leaves_held_out_out_when_there_is_none():
 
 def _every_field_set() -> StepTimeModel:
     values = {name: 1e-4 * (i + 1) for i, name in enumerate(COEFFICIENTS)}
-    return StepTimeModel(**values, weight_read=7e-3, request_overhead=4e-3, source="datasheet", label="a label",
+    return StepTimeModel(**values, weight_read=7e-3, request_overhead=4e-3, busy_request_overhead=9e-3, source="datasheet", label="a label",
                          model_name="a model", num_layers=5, d_model=96, num_kv_heads=3, kv_bytes_per_position=768.0,
                          model_len=2048, meta={"samples": [{"kind": "decode"}], "cpu": "x"})  # fmt: skip
 
@@ -163,7 +163,7 @@ def test_load_of_something_else_names_the_calibration(tmp_path):
         load_step_model(path)
 
 
-@pytest.mark.parametrize("name", [*COEFFICIENTS, "weight_read", "request_overhead"])
+@pytest.mark.parametrize("name", [*COEFFICIENTS, "weight_read", "request_overhead", "busy_request_overhead"])
 @pytest.mark.parametrize("value", [-1e-9, math.nan, math.inf, "1"])
 def test_an_invalid_coefficient_is_a_config_error(name, value):
     with pytest.raises(ConfigError, match=name):
@@ -178,8 +178,9 @@ def test_an_unknown_source_is_a_config_error():
 def test_scaled_scales_decode_and_prefill_costs_apart():
     model = _every_field_set()
     out = model.scaled(decode=2, prefill=3)
-    prefill = {"per_prefill_token", "per_mixed_prefill_token", "per_prefill_kv", "per_pair", "request_overhead"}
-    for name in (*COEFFICIENTS, "weight_read", "request_overhead"):
+    prefill = {"per_prefill_token", "per_mixed_prefill_token", "per_prefill_kv", "per_pair", "request_overhead",
+               "busy_request_overhead"}  # fmt: skip
+    for name in (*COEFFICIENTS, "weight_read", "request_overhead", "busy_request_overhead"):
         assert getattr(out, name) == pytest.approx(getattr(model, name) * (3 if name in prefill else 2)), name
     for name in ("source", "label", "model_name", "num_layers", "d_model", "num_kv_heads", "kv_bytes_per_position", "model_len"):
         assert getattr(out, name) == getattr(model, name)
@@ -275,3 +276,10 @@ def test_load_of_json_that_is_not_an_object_is_a_config_error(tmp_path):
     path.write_text("[]")
     with pytest.raises(ConfigError, match="kvserve plan calibrate --engine"):
         load_step_model(path)
+
+
+def test_overhead_is_the_busy_one_while_stepping_and_idle_without_a_busy_figure():
+    model = StepTimeModel(request_overhead=0.004, busy_request_overhead=0.011)
+    assert (model.overhead_s(busy=False), model.overhead_s(busy=True)) == (0.004, 0.011)
+    older = StepTimeModel(request_overhead=0.004)  # a model fitted before the busy figure existed
+    assert older.overhead_s(busy=True) == older.overhead_s(busy=False) == 0.004
