@@ -240,7 +240,7 @@ def run(args) -> int:
                         ttft_ratio = (probes[-2]["ttft_s"] + probes[-1]["ttft_s"]) / 2 / reference["ttft_s"]
                     from kvserve.sim.report import summary
 
-                    predicted = summary(Simulator(sim.deployment, model.scaled(factor)).run(_sim_requests(w, rate, seed)))
+                    predicted = summary(Simulator(sim.deployment, model.scaled(factor), seed=seed).run(_sim_requests(w, rate, seed)))
                     results.append({"scenario": scenario.name, "rate_req_per_s": rate, "run": run_name, "speed_factor": factor,
                                     "probe_ttft_ratio": ttft_ratio, "predicted": _stats(predicted), "measured": _stats(measured),
                                     "predicted_preemptions": predicted["preemptions"], "measured_preemptions": preempted,

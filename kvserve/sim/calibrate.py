@@ -32,6 +32,8 @@ def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: 
         num_kv_heads=engine.get("num_kv_heads", 0),
         kv_bytes_per_position=float(engine["kv_bytes_per_position"]), model_len=int(engine["model_len"]),
         request_overhead=request_overhead, busy_request_overhead=busy_request_overhead,
+        request_overhead_samples=tuple(extra.get("request_overheads_s", ())),
+        busy_request_overhead_samples=tuple(extra.get("busy_request_overheads_s", ())),
     )  # fmt: skip
     errs = errors(model, samples)
     meta = {"measured_at": datetime.now(timezone.utc).isoformat(), "cpu": cpu_model(), "measured": how,

@@ -192,7 +192,7 @@ def _run(args) -> int:
     workload_spec(args, rates[0])  # the workload flags are checked before anything is loaded
     slo = slo_of(args)
     model = step_model(args)
-    sim = Simulator(deployment(args, model), model)
+    sim = Simulator(deployment(args, model), model, seed=args.seed)
     show_progress = args.progress if args.progress is not None else (sys.stderr.isatty() and args.num_requests >= 2000)
     results = []
     for rate in rates:

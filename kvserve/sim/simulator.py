@@ -5,7 +5,8 @@ handoff has crossed the link. An idle instance with work schedules a step at onc
 real Scheduler decides what runs) and is busy for the step model's time. A request reaches
 the router the step model's request overhead after it is sent (what the HTTP path costs,
 measured through the server; `busy_request_overhead` if an instance is stepping then), and
-its latencies count from the send, as a client's do.
+its latencies count from the send, as a client's do; where the model keeps the measured
+overheads, each request draws one (seeded).
 
 Deployments:
 - `replicas` colocated instances behind the router's own policy object (router/policy.py:
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import random
 from typing import Callable
 
 from kvserve.errors import ConfigError
@@ -123,7 +125,7 @@ class SimRun:
 
 
 class Simulator:
-    def __init__(self, deployment: Deployment, model: StepTimeModel, record_steps: bool = False):
+    def __init__(self, deployment: Deployment, model: StepTimeModel, record_steps: bool = False, seed: int = 0):
         if not model.kv_bytes_per_position > 0 or model.model_len < 2:
             raise ConfigError("step model", "it names no KV bytes per position or context length (rerun the calibration)")
         self.deployment = deployment
@@ -131,6 +133,7 @@ class Simulator:
         self.kv_bytes_per_position = model.kv_bytes_per_position
         self.model_len = model.model_len
         self.record_steps = record_steps  # keep every step's (instance, shape, seconds) in the run
+        self.seed = seed  # of the draws of request overheads: a run is a function of its inputs
 
     def run(self, requests: list[SimRequest], progress: Callable[[], None] | None = None) -> SimRun:
         return _Run(self, requests, progress).run()
@@ -144,6 +147,7 @@ class _Run:
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
+        self._rng = random.Random(sim.seed)  # each request's overhead, drawn from the measured ones
         clock = lambda: self.now  # noqa: E731 - every scheduler reads the simulator's time
         spec, tp = self.d.instance, self.d.tensor_parallel
 
@@ -200,7 +204,7 @@ class _Run:
         busy one if an instance is stepping now (its HTTP path then shares the cores with the
         step; with several instances, whichever it will land on is not known yet, so any)."""
         busy = any(inst.busy for inst in self.instances)
-        self._push(self.now + self.sim.model.overhead_s(busy), self._arrive, r)
+        self._push(self.now + self.sim.model.overhead_s(busy, self._rng), self._arrive, r)
 
     def _arrive(self, r: SimRequest) -> None:
         trace = self.traces[r.request_id]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,10 @@ class StepTimeModel:
     # the same, for a request sent while the server is stepping: the HTTP path then shares the
     # cores (and the GIL) with the engine thread and is several times slower; 0: as idle
     busy_request_overhead: float = 0.0
+    # the measured overheads behind those two medians: where given, each simulated request
+    # draws its own (a tail of slow HTTP handling moves TTFT's p90, which one figure cannot)
+    request_overhead_samples: tuple[float, ...] = ()
+    busy_request_overhead_samples: tuple[float, ...] = ()
     source: str = "fit"  # fit | datasheet
     label: str = ""  # where the figures came from, for reports
     model_name: str = ""
@@ -80,6 +85,11 @@ class StepTimeModel:
                 raise ConfigError("step model", f"{name} must be a finite number >= 0, got {value!r}")
         if self.source not in ("fit", "datasheet"):
             raise ConfigError("step model", f"source must be fit or datasheet, got {self.source!r}")
+        for name in _SAMPLES:
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+                raise ConfigError("step model", f"{name} must be a list of finite numbers, got {values!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))  # a JSON list in, hashable here
 
     def groups(self, shape: StepShape) -> dict[str, float]:
         """Seconds per op group for one step on one rank."""
@@ -97,10 +107,15 @@ class StepTimeModel:
     def step_s(self, shape: StepShape) -> float:
         return sum(self.groups(shape).values())
 
-    def overhead_s(self, busy: bool) -> float:
+    def overhead_s(self, busy: bool, rng: random.Random | None = None) -> float:
         """From a client sending a request to it reaching the scheduler, plus its first token's
-        way out: `busy` if the server is stepping when it is sent."""
-        return self.busy_request_overhead if busy and self.busy_request_overhead else self.request_overhead
+        way out: `busy` if the server is stepping when it is sent. With `rng`, one of the
+        measured overheads drawn at random, where the model has them; else the median."""
+        busy = busy and bool(self.busy_request_overhead or self.busy_request_overhead_samples)
+        samples = self.busy_request_overhead_samples if busy else self.request_overhead_samples
+        if rng is not None and samples:
+            return max(0.0, rng.choice(samples))  # a clock's jitter can put one a hair below 0
+        return self.busy_request_overhead if busy else self.request_overhead
 
     def scaled(self, decode: float, prefill: float | None = None) -> "StepTimeModel":
         """The same machine found slower (> 1) or faster now, as probes measured in the same
@@ -110,8 +125,9 @@ class StepTimeModel:
         prefill = decode if prefill is None else prefill
         if not (decode > 0 and prefill > 0):
             raise ConfigError("step model", f"scale factors must be > 0, got {decode} and {prefill}")
-        return dataclasses.replace(self, **{k: getattr(self, k) * (prefill if k in _PREFILL_COSTS else decode)
-                                            for k in (*COEFFICIENTS, "weight_read", *_OVERHEADS)})
+        samples = {k: tuple(v * prefill for v in getattr(self, k)) for k in _SAMPLES}
+        return dataclasses.replace(self, **samples, **{k: getattr(self, k) * (prefill if k in _PREFILL_COSTS else decode)
+                                                       for k in (*COEFFICIENTS, "weight_read", *_OVERHEADS)})
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -133,6 +149,7 @@ class StepTimeModel:
 
 
 _OVERHEADS = ("request_overhead", "busy_request_overhead")
+_SAMPLES = ("request_overhead_samples", "busy_request_overhead_samples")
 _PREFILL_COSTS = ("per_prefill_token", "per_mixed_prefill_token", "per_prefill_kv", "per_pair", *_OVERHEADS)
 
 

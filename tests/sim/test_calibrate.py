@@ -133,6 +133,7 @@ def test_calibrate_through_the_server(tiny_llama, tmp_path, capsys):
     busy = model.meta["busy_request_overheads_s"]
     assert busy and all(-0.05 < o < 5 for o in busy)
     assert model.busy_request_overhead == max(0.0, statistics.median(busy))
+    assert model.busy_request_overhead_samples == tuple(busy) and model.request_overhead_samples == tuple(overheads)
     assert model.meta["engine"]["kv_bytes_per_position"] == TINY_KV_BYTES == model.kv_bytes_per_position
     assert model.meta["engine_flags"][model.meta["engine_flags"].index("--threads") + 1] == "1"
     assert "held_out" in model.meta["errors"] and model.meta["samples"]

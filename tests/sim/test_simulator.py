@@ -79,6 +79,18 @@ def test_a_request_sent_while_the_instance_steps_pays_the_busy_overhead():
     assert idle.ttft_s == pytest.approx(0.003 + model.step_s(_prefill(40)), rel=1e-12)  # sent to an idle server
 
 
+def test_each_request_draws_its_overhead_from_the_measured_ones_and_the_seed_fixes_them():
+    model = synthetic_model(request_overhead=0.004, request_overhead_samples=(0.002, 0.004, 0.009))
+    lone = [request(i, 40, 2, arrival_s=10.0 * i) for i in range(30)]  # each alone on an idle instance
+    run = Simulator(deployment(), model, seed=7).run(lone)
+    drawn = [round(t.ttft_s - model.step_s(_prefill(40)), 9) for t in run.traces]
+    assert set(drawn) == {0.002, 0.004, 0.009}
+    again = Simulator(deployment(), model, seed=7).run(lone)
+    assert [t.ttft_s for t in again.traces] == [t.ttft_s for t in run.traces]
+    other = Simulator(deployment(), model, seed=8).run(lone)
+    assert [t.ttft_s for t in other.traces] != [t.ttft_s for t in run.traces]
+
+
 def test_tensor_parallel_instance_runs_the_tp_step_and_holds_more_kv():
     model = synthetic_model()
     tp = TensorParallel(2, link_bytes_per_s=1e9, link_latency_s=1e-5)

@@ -130,7 +130,8 @@ def test_errors_leaves_held_out_out_when_there_is_none():
 
 def _every_field_set() -> StepTimeModel:
     values = {name: 1e-4 * (i + 1) for i, name in enumerate(COEFFICIENTS)}
-    return StepTimeModel(**values, weight_read=7e-3, request_overhead=4e-3, busy_request_overhead=9e-3, source="datasheet", label="a label",
+    return StepTimeModel(**values, weight_read=7e-3, request_overhead=4e-3, busy_request_overhead=9e-3,
+                          busy_request_overhead_samples=(0.005, 0.009, 0.02), source="datasheet", label="a label",
                          model_name="a model", num_layers=5, d_model=96, num_kv_heads=3, kv_bytes_per_position=768.0,
                          model_len=2048, meta={"samples": [{"kind": "decode"}], "cpu": "x"})  # fmt: skip
 
@@ -180,6 +181,7 @@ def test_scaled_scales_decode_and_prefill_costs_apart():
     out = model.scaled(decode=2, prefill=3)
     prefill = {"per_prefill_token", "per_mixed_prefill_token", "per_prefill_kv", "per_pair", "request_overhead",
                "busy_request_overhead"}  # fmt: skip
+    assert out.busy_request_overhead_samples == pytest.approx([3 * v for v in model.busy_request_overhead_samples])
     for name in (*COEFFICIENTS, "weight_read", "request_overhead", "busy_request_overhead"):
         assert getattr(out, name) == pytest.approx(getattr(model, name) * (3 if name in prefill else 2)), name
     for name in ("source", "label", "model_name", "num_layers", "d_model", "num_kv_heads", "kv_bytes_per_position", "model_len"):
@@ -283,3 +285,27 @@ def test_overhead_is_the_busy_one_while_stepping_and_idle_without_a_busy_figure(
     assert (model.overhead_s(busy=False), model.overhead_s(busy=True)) == (0.004, 0.011)
     older = StepTimeModel(request_overhead=0.004)  # a model fitted before the busy figure existed
     assert older.overhead_s(busy=True) == older.overhead_s(busy=False) == 0.004
+
+
+def test_overhead_draws_from_the_measured_ones_given_a_random_source():
+    import random
+
+    model = StepTimeModel(request_overhead=0.004, busy_request_overhead=0.011, request_overhead_samples=(0.003, 0.004, 0.006),
+                          busy_request_overhead_samples=(-0.0001, 0.011, 0.03))  # fmt: skip
+    rng = random.Random(0)
+    idle = {model.overhead_s(False, rng) for _ in range(200)}
+    busy = {model.overhead_s(True, rng) for _ in range(200)}
+    assert idle == {0.003, 0.004, 0.006} and busy == {0.0, 0.011, 0.03}  # every one drawn; none below 0
+    assert model.overhead_s(True) == 0.011  # without a random source: the median
+
+
+@pytest.mark.parametrize("values", [(math.nan,), ("1",), 0.5])
+def test_overhead_samples_must_be_finite_numbers(values):
+    with pytest.raises(ConfigError, match="busy_request_overhead_samples"):
+        StepTimeModel(busy_request_overhead_samples=values)
+
+
+def test_overhead_samples_survive_the_file(tmp_path):
+    model = StepTimeModel(request_overhead_samples=[0.001, 0.002], kv_bytes_per_position=8, model_len=64)
+    assert model.request_overhead_samples == (0.001, 0.002)  # a list in (as JSON gives it), a tuple kept
+    assert load_step_model(model.save(tmp_path / "m.json")) == model
