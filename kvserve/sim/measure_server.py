@@ -8,6 +8,11 @@ step (the event loop's share of the cores, delivering each token to its stream) 
 it is in every latency a client measures. The phases' lines in the log say which steps were
 warm-up (dropped), fitted, or held out.
 
+The request overheads, the time a request spends outside the engine's steps (HTTP in, the
+first token's way out), are measured twice from the log's request lines: on an idle server
+(the lone prompts) and under a serving load (Poisson arrivals at half the rate the steps
+fitted so far sustain), where the HTTP path shares the cores with the engine thread.
+
 Shapes come about as the scheduler makes them: R requests sent together prefill in one or
 more steps, then decode together; a chunk sent while they decode shares their steps.
 """
@@ -63,9 +68,9 @@ class _Client:
 async def _drive(client_: _Client, grid: Grid, log: Path, header: dict, limit: int, pool: int,
                  progress) -> tuple[int, int, int, list[float], list[float]]:  # fmt: skip
     """Every grid point through the server; returns the logged steps' counts where the fitted
-    phase starts, where the held-out phase starts and where it ends, and the request overheads: for each
-    prompt sent alone to an idle server, and for each request of the serving phase sent while a
-    step ran (_overheads)."""
+    phase starts, where the held-out phase starts and where it ends, and the request overheads
+    (_overheads): of each prompt sent alone to an idle server, and of each request of the
+    serving phase sent while a step ran."""
     c = client_
     steps_per_point = grid.decode_steps * (grid.repeats + 1)
 
