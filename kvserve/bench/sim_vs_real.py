@@ -91,7 +91,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-timeout-s", type=float, default=300.0, help="wait this long for a server to start")
     p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
-                   help="scale the model per rate by the machine's speed now, from probe requests around the run (default on)")
+                   help="scale the model per run by the machine's speed then, from probe requests before and after it (default on)")
     p.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
                    help="serve each rate's workload a second time (the same lengths and send times, other token ids): "
                         "the server against itself, how far this machine repeats its own figures (default on)")
