@@ -176,6 +176,7 @@ def _model_flags(args) -> list[str]:
 
 def run(args) -> int:
     from kvserve.sim.measure_server import probe_server, start_server, stop_server
+    from kvserve.sim.report import summary
     from kvserve.sim.simulator import Deployment, Simulator
     from kvserve.sim.step_model import load_step_model
 
@@ -238,8 +239,6 @@ def run(args) -> int:
                         probes.append(probe_server(base, model_name, 30_000 + seed + len(probes), vocab))
                         factor = (probes[-2]["tpot_s"] + probes[-1]["tpot_s"]) / 2 / reference["tpot_s"]
                         ttft_ratio = (probes[-2]["ttft_s"] + probes[-1]["ttft_s"]) / 2 / reference["ttft_s"]
-                    from kvserve.sim.report import summary
-
                     predicted = summary(Simulator(sim.deployment, model.scaled(factor), seed=seed).run(_sim_requests(w, rate, seed)))
                     results.append({"scenario": scenario.name, "rate_req_per_s": rate, "run": run_name, "speed_factor": factor,
                                     "probe_ttft_ratio": ttft_ratio, "predicted": _stats(predicted), "measured": _stats(measured),

@@ -24,16 +24,22 @@ from kvserve.sim.measure import Grid, Sample, measure, num_points
 from kvserve.sim.step_model import StepTimeModel, default_model_path, errors, fit
 
 
-def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: dict,
-                  request_overhead: float = 0.0, busy_request_overhead: float = 0.0) -> tuple[StepTimeModel, dict, Path]:  # fmt: skip
+def _median_overhead(values: list[float]) -> float:
+    """The median: a request that met a noisy step says little of the HTTP path's own time."""
+    return max(0.0, statistics.median(values)) if values else 0.0
+
+
+def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: dict) -> tuple[StepTimeModel, dict, Path]:
+    """`extra`: what the measurement adds to the file's meta; the request overheads measured
+    through a server (request_overheads_s, busy_request_overheads_s) also go into the model."""
+    idle, busy = extra.get("request_overheads_s", []), extra.get("busy_request_overheads_s", [])
     model = fit(
         samples, label=f"fitted: kvserve {how} on {cpu_model()} ({engine['model']}, {engine['threads']} threads)",
         model_name=engine["model"], num_layers=engine["num_layers"], d_model=engine["d_model"],
         num_kv_heads=engine.get("num_kv_heads", 0),
         kv_bytes_per_position=float(engine["kv_bytes_per_position"]), model_len=int(engine["model_len"]),
-        request_overhead=request_overhead, busy_request_overhead=busy_request_overhead,
-        request_overhead_samples=tuple(extra.get("request_overheads_s", ())),
-        busy_request_overhead_samples=tuple(extra.get("busy_request_overheads_s", ())),
+        request_overhead=_median_overhead(idle), busy_request_overhead=_median_overhead(busy),
+        request_overhead_samples=tuple(idle), busy_request_overhead_samples=tuple(busy),
     )  # fmt: skip
     errs = errors(model, samples)
     meta = {"measured_at": datetime.now(timezone.utc).isoformat(), "cpu": cpu_model(), "measured": how,
@@ -69,10 +75,7 @@ def calibrate_through_server(engine_flags: list[str], grid: Grid = Grid(), outpu
 
     with tqdm(total=num_points(grid), desc="timing served steps", unit="shape", disable=not progress, leave=False) as bar:
         samples, found = measure_through_server(engine_flags, grid, seed=seed, progress=lambda: bar.update(1))
-    overheads, busy = found["request_overheads_s"], found["busy_request_overheads_s"]
     extra = {"engine_flags": engine_flags, "step_log": found["step_log"], "warm_up_steps": found["warm_up_steps"],
-             "request_overheads_s": overheads, "busy_request_overheads_s": busy, "probe": found["probe"]}  # fmt: skip
-    # medians: a request that met a noisy step says little of the HTTP path's own time
-    overhead = max(0.0, statistics.median(overheads)) if overheads else 0.0
-    busy_overhead = max(0.0, statistics.median(busy)) if busy else 0.0
-    return _fit_and_save(samples, found["engine"], "through its server", output, extra, overhead, busy_overhead)
+             "request_overheads_s": found["request_overheads_s"], "busy_request_overheads_s": found["busy_request_overheads_s"],
+             "probe": found["probe"]}  # fmt: skip
+    return _fit_and_save(samples, found["engine"], "through its server", output, extra)

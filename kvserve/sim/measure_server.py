@@ -20,6 +20,7 @@ more steps, then decode together; a chunk sent while they decode shares their st
 from __future__ import annotations
 
 import asyncio
+import bisect
 import re
 import subprocess
 import sys
@@ -182,15 +183,21 @@ def _overheads(log: Path, timings: list[tuple[float, int, float]], busy: bool) -
     spans, served = read_timeline(log)
     if not timings:
         return []
+    ends = [b for _, b in spans]  # the log's steps run one after another: their ends ascend
+
+    def step_at(t: float) -> tuple[float, float] | None:
+        i = bisect.bisect_left(ends, t)
+        return spans[i] if i < len(spans) and spans[i][0] <= t else None
+
     first_sent = min(sent for sent, _, _ in timings)
     served = sorted((r for r in served if r["arrival"] >= first_sent and r["first_token"] is not None), key=lambda r: r["arrival"])
     out = []
     for (sent, prompt_tokens, ttft), r in zip(sorted(timings), served):
-        if r["prompt_tokens"] != prompt_tokens or any(a <= sent <= b for a, b in spans) != busy:
+        if r["prompt_tokens"] != prompt_tokens or (step_at(sent) is not None) != busy:
             continue
-        made = next((b for a, b in spans if a <= r["first_token"] <= b), None)
+        made = step_at(r["first_token"])
         if made is not None:
-            out.append(ttft - (made - r["arrival"]))
+            out.append(ttft - (made[1] - r["arrival"]))
     return out
 
 
