@@ -24,6 +24,15 @@ auto maybe(at::Tensor Class::*field) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa_level", [] { return std::string(KVSERVE_LEVEL_NAME); }, "the ISA level this build was compiled for");
+  m.def(
+      "families",
+      [] {
+        py::dict out;
+        for (const auto& [family, level] : kernel_families()) out[py::str(family)] = level;
+        return out;
+      },
+      "the kernel families this build runs, each with the level its code is compiled at");
   m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
   m.def("set_amx_attention", &set_amx_attention, "use AMX for decode and prefill attention where available (default on)");
   m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");

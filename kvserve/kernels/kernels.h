@@ -38,7 +38,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 #include <cstdint>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 // ---- limits -------------------------------------------------------------------------------
@@ -79,6 +81,26 @@ inline constexpr KernelLimit kKernelLimits[] = {
     {"tile_k", kWeightTileK},
     {"amx_argmax_max_rows", kAmxArgmaxMaxRows},
 };
+
+// ---- levels -------------------------------------------------------------------------------
+
+// Each level's build (kvserve/kernels/build.py) is compiled with -DKVSERVE_LEVEL_NAME="<level>"
+// and implements every function below, some as refusals where the level lacks the family
+// (a portable build has no AMX). The source file of each family that does run registers it
+// with KVSERVE_KERNEL_FAMILY(name); families() in Python lists them with their level, and
+// kvserve/kernels/support.py turns off the kernels of a family that is not registered.
+#ifndef KVSERVE_LEVEL_NAME
+#error "compile the kernels with -DKVSERVE_LEVEL_NAME=\"<level>\" (kvserve/kernels/build.py does)"
+#endif
+struct FamilyRegistration {
+  FamilyRegistration(const char* family, const char* level);
+};
+#define KVSERVE_FAMILY_CAT2(a, b) a##b
+#define KVSERVE_FAMILY_CAT(a, b) KVSERVE_FAMILY_CAT2(a, b)
+#define KVSERVE_KERNEL_FAMILY(name) \
+  static const FamilyRegistration KVSERVE_FAMILY_CAT(kvserve_family_, __LINE__)(name, KVSERVE_LEVEL_NAME)
+// (family, level) of every registered family, in registration order
+std::vector<std::pair<std::string, std::string>> kernel_families();
 
 // ---- gemv.cpp -----------------------------------------------------------------------------
 

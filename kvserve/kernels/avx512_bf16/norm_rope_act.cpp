@@ -12,8 +12,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels.h"
+#include "../kernels.h"
 #include "vec_math.h"
+
+KVSERVE_KERNEL_FAMILY("norm_rope_act");
 
 namespace {
 

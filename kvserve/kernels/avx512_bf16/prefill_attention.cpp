@@ -34,8 +34,10 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "kernels.h"
+#include "../kernels.h"
 #include "vec_math.h"
+
+KVSERVE_KERNEL_FAMILY("prefill_attention");
 
 namespace {
 

@@ -5,8 +5,10 @@
 #include <immintrin.h>
 #include <cmath>
 
-#include "kernels.h"
+#include "../kernels.h"
 #include "vec_math.h"
+
+KVSERVE_KERNEL_FAMILY("argmax");
 
 namespace {
 

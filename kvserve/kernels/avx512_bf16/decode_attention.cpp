@@ -19,8 +19,10 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "kernels.h"
+#include "../kernels.h"
 #include "vec_math.h"
+
+KVSERVE_KERNEL_FAMILY("decode_attention");
 
 // Tests switch AMX attention off to check both paths of decode and prefill attention on
 // one machine.

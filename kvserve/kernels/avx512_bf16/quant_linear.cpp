@@ -28,8 +28,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels.h"
+#include "../kernels.h"
 #include "vec_math.h"
+
+KVSERVE_KERNEL_FAMILY("quant_linear");
 
 namespace {
 

@@ -31,8 +31,10 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels.h"
+#include "../kernels.h"
 #include "vec_math.h"
+
+KVSERVE_KERNEL_FAMILY("shared_prefix_attention");
 
 namespace {
 

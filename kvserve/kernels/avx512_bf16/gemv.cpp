@@ -10,8 +10,10 @@
 #include <cstring>
 #include <type_traits>
 
-#include "kernels.h"
+#include "../kernels.h"
 #include "vec_math.h"
+
+KVSERVE_KERNEL_FAMILY("gemv");
 
 namespace {
 

@@ -1,0 +1,94 @@
+"""What each kernel build compiles, with which flags, and where it is cached.
+
+One build per ISA level (kvserve/kernels/isa.py). Every build compiles the same torch glue
+(bindings.cpp, linear.cpp, fused_decode.cpp, cascade_attention.cpp, families.cpp: no
+intrinsics) over one family source tree:
+
+    avx2, avx512-vnni   core/ (torch-free kernels on raw pointers, simd.h's vocabulary) with
+                        portable/ (their torch layer, one file per family)
+    avx512-bf16, amx    avx512_bf16/ (AVX512-BF16 intrinsics; the AMX paths are compiled in
+                        only at `amx`)
+
+A level with nothing of its own runs the build below it (`avx512` runs `avx2`'s). Each
+build is compiled with its level's explicit flags (never -march=native) and hidden symbol
+visibility (each build is its own module; with the core in `kvserve::<level>` several
+builds live in one process), keyed by its sources' bytes, its flags and the checkout's
+path, in the kvserve cache folder: the first use of a level builds it, later ones load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+_GLUE = ("bindings.cpp", "linear.cpp", "fused_decode.cpp", "cascade_attention.cpp", "families.cpp")
+_COMMON_FLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBuild:
+    """One compiled module: the level it targets, its family tree, its compiler flags."""
+
+    level: str
+    tree: str  # "portable" (core/ + portable/) or "avx512_bf16"
+    isa_flags: tuple[str, ...]
+
+    @property
+    def sources(self) -> list[Path]:
+        # bindings.cpp is the slowest to compile (pybind11): first, so ninja starts it first
+        glue = [HERE / n for n in _GLUE]
+        if self.tree == "portable":
+            family = sorted((HERE / "core").glob("*.cpp")) + sorted((HERE / "portable").glob("*.cpp"))
+        else:
+            family = sorted((HERE / self.tree).glob("*.cpp"))
+        return glue + family
+
+    @property
+    def headers(self) -> list[Path]:
+        dirs = [HERE] + ([HERE / "core", HERE / "portable"] if self.tree == "portable" else [HERE / self.tree])
+        return sorted(p for d in dirs for p in d.glob("*.h"))
+
+    @property
+    def cflags(self) -> list[str]:
+        # the level's name as a C string: escaped, as ninja hands each command to the shell
+        ns = self.level.replace("-", "_")
+        return [*_COMMON_FLAGS, *self.isa_flags, f'-DKVSERVE_LEVEL_NAME=\\"{self.level}\\"', f"-DKVSERVE_LEVEL_NS={ns}"]
+
+    def module_name(self) -> str:
+        """kvserve_cpu_ops_<level>_<hash>: the hash covers the sources' bytes, the flags and
+        where the sources are (torch's build rewrites build.ninja with the source paths, so two
+        checkouts sharing one build folder rebuilt it at every switch between them)."""
+        h = hashlib.sha256()
+        for p in self.sources + self.headers:
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        h.update(" ".join(self.cflags).encode())
+        h.update(str(HERE.resolve()).encode())
+        return f"kvserve_cpu_ops_{self.level.replace('-', '_')}_{h.hexdigest()[:12]}"
+
+
+_X86_V3 = ("-march=x86-64-v3", "-mtune=generic")
+_X86_V4 = ("-march=x86-64-v4", "-mtune=generic")
+_AVX512_BF16 = (*_X86_V4, "-mavx512vnni", "-mavx512bf16")
+
+BUILDS: dict[str, KernelBuild] = {
+    "avx2": KernelBuild("avx2", "portable", _X86_V3),
+    "avx512-vnni": KernelBuild("avx512-vnni", "portable", (*_X86_V4, "-mavx512vnni")),
+    "avx512-bf16": KernelBuild("avx512-bf16", "avx512_bf16", _AVX512_BF16),
+    "amx": KernelBuild("amx", "avx512_bf16", (*_AVX512_BF16, "-mamx-tile", "-mamx-bf16")),
+}
+
+# the build each level runs: its own, or the one below it where it has nothing of its own
+LEVEL_BUILD: dict[str, str] = {
+    "avx2": "avx2",
+    "avx512": "avx2",  # no family gains over avx2's code from AVX-512 without VNNI yet
+    "avx512-vnni": "avx512-vnni",
+    "avx512-bf16": "avx512-bf16",
+    "amx": "amx",
+}
+
+
+def build_for(level: str) -> KernelBuild:
+    return BUILDS[LEVEL_BUILD[level]]

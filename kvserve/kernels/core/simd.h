@@ -1,0 +1,140 @@
+// The vector vocabulary of the torch-free kernel core (kvserve/kernels/core), for the level
+// being compiled. Each core source is compiled once per level with that level's flags
+// (kvserve/kernels/build.py) and wraps its code in `namespace kvserve::KVSERVE_LEVEL_NS`, so
+// several levels' objects can live in one process or one test binary.
+//
+// Levels and what this header maps to:
+//   avx2         x86-64-v3: 8 fp32 lanes (__m256), int8 dots by VPMADDUBSW + VPMADDWD
+//   avx512-vnni  the same 8-lane code, EVEX-encoded; int8 dots by VPDPBUSD on ymm
+// A core source uses only what is here plus the __m256/__m256i intrinsics of AVX2/FMA/F16C,
+// so it compiles at every x86 level; a later level (ARM NEON) adds its own branch here.
+//
+// bf16 values are raw uint16_t (the top half of an fp32); rounding to bf16 is to nearest even,
+// as torch rounds.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#ifndef KVSERVE_LEVEL_NS
+#error "compile the kernel core with -DKVSERVE_LEVEL_NS=<level> (kvserve/kernels/build.py does)"
+#endif
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the kernel core's x86 levels need AVX2, FMA and F16C (-march=x86-64-v3 or above)"
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVSERVE_VNNI_DOT 1
+#else
+#define KVSERVE_VNNI_DOT 0
+#endif
+
+namespace kvserve {
+namespace KVSERVE_LEVEL_NS {
+namespace simd {
+
+constexpr int kLanes = 8;  // fp32 lanes of one vector
+
+// ---- scalars ------------------------------------------------------------------------------
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+// ---- 8 fp32 lanes -------------------------------------------------------------------------
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 widened
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+// 8 fp16 (the quantized formats' scales) widened
+inline __m256 load8_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// v's lanes rounded to bf16 (nearest even), kept in fp32 lanes. NaN inputs are not expected.
+inline __m256 round_bf16(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline void store8(uint16_t* p, __m256 v) {
+  __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+  // 8 × 32-bit (each < 65536) → 8 × 16-bit: packus within 128-bit lanes, then fix the order
+  __m128i lo = _mm256_castsi256_si128(bits), hi = _mm256_extracti128_si256(bits, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
+}
+
+// Σ of 8 lanes in a fixed order ((0+4)+(2+6))+((1+5)+(3+7)): the same whatever the caller
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 lanes: 2^(x·log2 e) as an integer power (built in the exponent bits) times a
+// degree-6 polynomial on the fraction; relative error ~1e-7. x below -87 gives ~0.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  // 2^n: n in [-126, 127] after the clamps above, added into the exponent field
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// ---- int8 dot products --------------------------------------------------------------------
+
+// acc[i] += Σ_{t<4} u[4i+t]·s[4i+t] for 8 int32 lanes, u unsigned and s signed bytes.
+// At avx2 the pairwise products go through int16 (VPMADDUBSW), which saturates past 32767:
+// exact only while u·s pairs stay below that, e.g. u <= 127 (a sign moved onto s, as
+// llama.cpp does) or u <= 15 (4-bit codes). At avx512-vnni (VPDPBUSD) it is exact for all.
+inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if KVSERVE_VNNI_DOT
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+}  // namespace simd
+}  // namespace KVSERVE_LEVEL_NS
+}  // namespace kvserve
