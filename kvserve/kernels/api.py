@@ -260,6 +260,12 @@ class CpuOps(Protocol):
     CascadeLevel: type[CascadeLevel]
     DecodeCascade: type[DecodeCascade]
 
+    def isa_level(self) -> str:
+        """The ISA level this build was compiled for (kvserve/kernels/isa.py LEVELS)."""
+
+    def families(self) -> dict[str, str]:
+        """Each kernel family this build has code for -> the level that code is compiled at."""
+
     def limits(self) -> dict[str, int]:
         """Every shape limit the kernels enforce, by snake_case key (kernels.h lists what each means)."""
 

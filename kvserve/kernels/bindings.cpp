@@ -102,7 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("QUANT_Q4_MIN") = kQuantQ4Min;
   m.attr("QUANT_Q8_MIN") = kQuantQ8Min;
 
-  py::class_<QuantSegment>(m, "QuantSegment", "output columns of one block-quantized format (kernels.h)")
+  py::class_<QuantSegment>(m, "QuantSegment", py::module_local(), "output columns of one block-quantized format (kernels.h)")
       .def(py::init([](const at::Tensor& codes, const at::Tensor& scales, const MaybeTensor& mins, int64_t format) {
              return QuantSegment{codes, scales, or_undefined(mins), format};
            }),
@@ -112,7 +112,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("mins", maybe(&QuantSegment::mins))
       .def_readonly("format", &QuantSegment::format);
 
-  py::class_<Projection>(m, "Projection", "one projection y = x @ W.T (+ b) as its kernels read it (kernels.h)")
+  py::class_<Projection>(m, "Projection", py::module_local(), "one projection y = x @ W.T (+ b) as its kernels read it (kernels.h)")
       .def(py::init([](const MaybeTensor& weight, const MaybeTensor& gemv, const MaybeTensor& amx, const MaybeTensor& onednn,
                        const MaybeTensor& bias, int64_t gemv_max_rows, int64_t amx_max_rows, bool silu_interleaved,
                        bool gemv_all_rows, const std::vector<QuantSegment>& quant, bool float_out) {
@@ -136,7 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("amx_max_rows", &Projection::amx_max_rows)
       .def_readonly("silu_interleaved", &Projection::silu_interleaved);
 
-  py::class_<DecodeLayer>(m, "DecodeLayer", "one decoder layer's norms and projections, for decode_layers")
+  py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local(), "one decoder layer's norms and projections, for decode_layers")
       .def(py::init<at::Tensor, at::Tensor, Projection, Projection, Projection, Projection>(), py::kw_only(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"))
@@ -147,7 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("gate_up", &DecodeLayer::gate_up)
       .def_readonly("down", &DecodeLayer::down);
 
-  py::class_<DecodeModel>(m, "DecodeModel", "every layer, the KV pools and the shapes decode_layers runs on")
+  py::class_<DecodeModel>(m, "DecodeModel", py::module_local(), "every layer, the KV pools and the shapes decode_layers runs on")
       .def(py::init<std::vector<DecodeLayer>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
                     at::Tensor, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
                     std::vector<at::Tensor>>(),
@@ -168,14 +168,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k_scales", &DecodeModel::k_scales)
       .def_readonly("v_scales", &DecodeModel::v_scales);
 
-  py::class_<CascadeLevel>(m, "CascadeLevel", "one shared level of a decode plan: member rows, blocks, positions")
+  py::class_<CascadeLevel>(m, "CascadeLevel", py::module_local(), "one shared level of a decode plan: member rows, blocks, positions")
       .def(py::init<at::Tensor, at::Tensor, int64_t>(), py::kw_only(), py::arg("members"), py::arg("blocks"),
            py::arg("num_positions"))
       .def_readonly("members", &CascadeLevel::members)
       .def_readonly("blocks", &CascadeLevel::blocks)
       .def_readonly("num_positions", &CascadeLevel::num_positions);
 
-  py::class_<DecodeCascade>(m, "DecodeCascade", "a decode step's shared-prefix plan: suffix starts, levels outer first")
+  py::class_<DecodeCascade>(m, "DecodeCascade", py::module_local(), "a decode step's shared-prefix plan: suffix starts, levels outer first")
       .def(py::init<at::Tensor, std::vector<CascadeLevel>>(), py::kw_only(), py::arg("suffix_start"), py::arg("levels"))
       .def_readonly("suffix_start", &DecodeCascade::suffix_start)
       .def_readonly("levels", &DecodeCascade::levels);

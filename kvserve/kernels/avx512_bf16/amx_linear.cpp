@@ -33,7 +33,9 @@
 #include "../kernels.h"
 #include "vec_math.h"
 
+#if KVSERVE_AMX
 KVSERVE_KERNEL_FAMILY("amx_linear");
+#endif
 
 namespace {
 
@@ -146,6 +148,7 @@ void column_pair(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat
 
 // Linux hands out the 8 KiB tile state only on request, once per process.
 bool amx_available() {
+  if (!KVSERVE_AMX) return false;  // the avx512-bf16 build: no AMX code in it
   static const bool ok = [] {
     if (!__builtin_cpu_supports("avx512f")) return false;
     unsigned eax, ebx, ecx, edx;

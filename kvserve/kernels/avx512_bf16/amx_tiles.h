@@ -2,9 +2,31 @@
 // the tile configuration (the availability checks, amx_available and amx_attention_on, are
 // declared in kernels.h). They use only full tiles, 16 rows of 64 bytes (16 fp32 or 32
 // bf16), so one configuration serves every tile they touch.
+//
+// The same sources build two levels (kvserve/kernels/build.py): `amx`, compiled with the AMX
+// flags, and `avx512-bf16`, without them. There KVSERVE_AMX is 0, amx_available() is false,
+// so no AMX path is ever taken, and the tile calls below are stand-ins that trap: the AMX
+// paths still compile, but the build holds no AMX instruction (tests/kernels/test_isa.py
+// disassembles it to make sure), so a CPU without AMX can never meet one.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVSERVE_AMX 1
+#else
+#define KVSERVE_AMX 0
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+#define _tile_loadd(...) __builtin_trap()
+#define _tile_stored(...) __builtin_trap()
+#define _tile_zero(...) __builtin_trap()
+#define _tile_dpbf16ps(...) __builtin_trap()
+#define _tile_release() __builtin_trap()
+#define _tile_loadconfig(...) __builtin_trap()
+#endif
 
 struct alignas(64) AmxTileConfig {
   uint8_t palette_id = 1;

@@ -1,0 +1,143 @@
+"""ISA levels: what each CPU runs, forcing one, and what each level's build may hold.
+
+The disassembly checks are what keeps a CPU from meeting an instruction it lacks: every
+build is compiled here (a compiler builds any level, whatever this CPU runs) and objdump
+reads every instruction of it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.errors import ConfigError
+from kvserve.kernels import cpu_ops, isa
+from kvserve.kernels.build import BUILDS, LEVEL_BUILD, build_for
+
+ZEN3 = frozenset("avx avx2 fma f16c bmi1 bmi2 movbe popcnt sse4_2".split())
+SKYLAKE_SP = ZEN3 | frozenset("avx512f avx512bw avx512vl avx512dq avx512cd".split())
+CASCADE_LAKE = SKYLAKE_SP | {"avx512_vnni"}
+ZEN4 = CASCADE_LAKE | {"avx512_bf16"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.mark.parametrize(
+    "flags, native",
+    [(frozenset({"sse4_2", "avx"}), None), (ZEN3, "avx2"), (SKYLAKE_SP, "avx512"), (CASCADE_LAKE, "avx512-vnni"),
+     (ZEN4, "avx512-bf16"), (SAPPHIRE_RAPIDS, "amx")],
+)  # fmt: skip
+def test_native_level_is_the_highest_whose_flags_are_all_there(flags, native, monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    assert isa.native_level(flags) == native
+    runs = isa.runnable_levels(flags)
+    assert runs == isa.LEVELS[: isa.LEVELS.index(native) + 1] if native else runs == ()
+
+
+def test_a_level_needs_every_lower_levels_flags(monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    # BF16 without the AVX-512 base (no such CPU, but flags can be masked) runs avx2 only
+    assert isa.native_level(ZEN3 | {"avx512_bf16", "avx512_vnni"}) == "avx2"
+    assert isa.missing_flags("avx512-vnni", ZEN3) == ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"]
+
+
+def test_no_level_off_x86(monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
+    assert isa.runnable_levels(SAPPHIRE_RAPIDS) == ()
+
+
+def test_every_level_has_a_build_and_lower_ones_share_theirs():
+    assert set(LEVEL_BUILD) == set(isa.LEVELS)
+    assert build_for("avx512") is BUILDS["avx2"]  # nothing of its own at avx512 yet
+    for level, build in BUILDS.items():
+        assert build.level == level
+        assert not any("native" in f for f in build.cflags)
+
+
+def test_an_unknown_level_is_a_config_error_naming_the_levels():
+    with pytest.raises(ConfigError, match="unknown CPU kernel level 'avx9'.*avx2, avx512"):
+        EngineConfig(cpu_isa="avx9", device="cpu")
+
+
+def test_the_environment_variable_forces_a_level(monkeypatch):
+    monkeypatch.setenv(isa.ENV_VAR, "avx2")
+    assert isa.chosen_level() == "avx2"
+    assert EngineConfig(device="cpu").kernel_level == "avx2"
+    monkeypatch.setenv(isa.ENV_VAR, "avx9")
+    with pytest.raises(ConfigError, match=isa.ENV_VAR):
+        isa.chosen_level()
+
+
+@pytest.mark.skipif(isa.native_level() in (None, "amx"), reason="this CPU runs every level (or none)")
+def test_a_level_above_the_cpus_is_refused_with_what_it_lacks():
+    with pytest.raises(ConfigError, match=r"'amx' needs instructions this CPU does not have: it lacks .*amx_tile") as err:
+        EngineConfig(cpu_isa="amx", device="cpu")
+    assert f"the highest level it runs is {isa.native_level()!r}" in str(err.value)
+
+
+@pytest.mark.skipif(isa.native_level() is None, reason="the CPU runs no kernel level")
+def test_dtype_auto_keeps_bf16_wherever_a_kernel_level_runs():
+    import torch
+
+    for level in isa.runnable_levels():
+        assert EngineConfig(device="cpu", cpu_isa=level).torch_dtype == torch.bfloat16
+
+
+# ---- what each build holds ------------------------------------------------------------------
+
+# an EVEX prefix (0x62: AVX-512 encodings, zmm and mask registers, ymm16-31) opens the instruction
+_EVEX = re.compile(r"^\s*[0-9a-f]+:\t62 ")
+_AMX = re.compile(r"\t(tileloadd|tileloaddt1|tilestored|tilezero|tilerelease|ldtilecfg|sttilecfg|tdp\w+)\b")
+_BF16 = re.compile(r"\t(vdpbf16ps|vcvtne2ps2bf16|vcvtneps2bf16)\b")
+_VNNI = re.compile(r"\t(vpdpbusds?|vpdpwssds?)\b")
+_ZMM = re.compile(r"%zmm|%k[1-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
+
+
+def _instructions(level: str) -> list[str]:
+    module = cpu_ops(level)  # builds whatever this CPU runs; loading is safe: nothing runs at import
+    assert module is not None, f"the {level} build failed"
+    # -w: each instruction on one line, its bytes first (the EVEX check reads them)
+    out = subprocess.run(["objdump", "-d", "-w", module.__file__], check=True, capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "\t" in line]
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
+@pytest.mark.parametrize("level", list(BUILDS))
+def test_a_build_holds_no_instruction_above_its_level(level):
+    lines = _instructions(level)
+    assert len(lines) > 1000  # the whole module was read
+    forbidden: list[tuple[str, re.Pattern]] = []
+    if level == "avx2":
+        forbidden += [("EVEX-encoded (AVX-512)", _EVEX), ("AVX-512 registers", _ZMM), ("VNNI", _VNNI)]
+    if level in ("avx2", "avx512-vnni"):
+        forbidden.append(("AVX512-BF16", _BF16))
+    if level != "amx":
+        forbidden.append(("AMX", _AMX))
+    for what, pattern in forbidden:
+        hits = [line for line in lines if pattern.search(line)]
+        assert not hits, f"the {level} build holds {len(hits)} {what} instructions, e.g. {hits[:3]}"
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
+def test_the_levels_that_should_use_their_instructions_do():
+    # the checks above would pass on a build that lost its flags; these show they are in force
+    assert any(_VNNI.search(line) for line in _instructions("avx512-vnni"))
+    assert any(_BF16.search(line) for line in _instructions("avx512-bf16"))
+    assert any(_AMX.search(line) for line in _instructions("amx"))
+
+
+def test_each_build_reports_its_level_and_families():
+    for level in isa.runnable_levels():
+        module = cpu_ops(level)
+        build = build_for(level)
+        assert module.isa_level() == build.level
+        families = module.families()
+        assert set(families.values()) == {build.level}
+        assert module.amx_available() is False or build.level == "amx"
+
+
+def test_module_names_differ_by_level():
+    assert len({b.module_name() for b in BUILDS.values()}) == len(BUILDS)
