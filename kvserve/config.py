@@ -53,12 +53,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, kernel_level: str | None = None) -> torch.dtype:
+    """`kernel_level`: the ISA level kvserve's CPU kernels run at here (None: they don't)."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        # bf16 halves the weight bytes read per decode step, where the CPU computes it natively
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        # bf16 halves the weight bytes read per decode step: wherever a kernel level runs (its
+        # kernels widen bf16 in registers, AVX2 included) or the CPU computes bf16 natively
+        return torch.bfloat16 if kernel_level is not None or cpu_supports_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ConfigError("dtype", f"must be auto, bfloat16, float16 or float32, got {dtype!r}")
     return _DTYPES[dtype]
@@ -127,6 +129,8 @@ class EngineConfig:
     kv_transport: str = "shm"
     kv_transfer_listen: str | None = None
     cpu_kernels: bool = True  # use kvserve's C++ CPU kernels where they can be built
+    # the kernels' ISA level (kvserve/kernels/isa.py): None = $KVSERVE_CPU_ISA, else the CPU's highest
+    cpu_isa: str | None = None
     prepack_weights: bool = True  # CPU bf16: pack projections for their kernels (KernelSupport.plan_projection)
     # weight format: auto = a GGUF's quantized tensors in their own format, float weights in
     # `dtype`; int8 / int4 = quantize float weights at load; none = dequantize everything
@@ -196,7 +200,18 @@ class EngineConfig:
         if not self.distributed_timeout_s > 0:
             raise ConfigError("distributed_timeout_s", f"must be > 0 seconds, got {self.distributed_timeout_s}")
         self.torch_device = resolve_device(self.device)
-        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        # the level the kernels run at (None where they don't): a level this CPU lacks is refused here
+        self.kernel_level = None
+        if self.cpu_kernels and self.torch_device.type == "cpu":
+            from kvserve.kernels import kernels_disabled
+            from kvserve.kernels.isa import chosen_level
+
+            self.kernel_level = None if kernels_disabled() else chosen_level(self.cpu_isa)
+        elif self.cpu_isa:
+            from kvserve.kernels.isa import check_level
+
+            check_level(self.cpu_isa, "cpu_isa")
+        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device, self.kernel_level)
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

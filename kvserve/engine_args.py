@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.kernels.isa import LEVELS
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has it), bfloat16, float16, float32")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 where a kernel level runs or the CPU has it), bfloat16, float16, float32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
     g.add_argument("--kv-cache-memory", default="1GiB", help="bytes for the paged KV pool, e.g. 512MiB, 2GiB")
     g.add_argument("--block-size", type=int, default=16, help="positions per KV block")
@@ -33,6 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a collective may wait before a rank counts as dead (default 120)")
     g.add_argument(
         "--cpu-kernels", action=argparse.BooleanOptionalAction, default=True, help="kvserve's C++ CPU kernels where they build"
+    )
+    g.add_argument(
+        "--cpu-isa", choices=LEVELS, default=None, metavar="LEVEL",
+        help=f"run the CPU kernels at this ISA level ({', '.join(LEVELS)}) instead of the CPU's highest "
+        "(also $KVSERVE_CPU_ISA); a level the CPU lacks is an error",
     )
     g.add_argument(
         "--prepack-weights",
@@ -110,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         tensor_parallel_allreduce=getattr(args, "tp_allreduce", "auto"),
         kv_layout=getattr(args, "kv_layout", "heads"),
         cpu_kernels=args.cpu_kernels,
+        cpu_isa=getattr(args, "cpu_isa", None),
         prepack_weights=args.prepack_weights,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

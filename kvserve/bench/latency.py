@@ -173,6 +173,9 @@ def run_latency(
             "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
             "device": str(engine.config.torch_device),
             "kv_bytes_per_position": layout.kv_bytes_per_position,
+            # the CPU kernels' ISA level and each family's (None where the kernels are off)
+            "kernel_level": engine.kernels.level,
+            "kernel_families": dict(engine.kernels.families),
         },
         "machine": {**limits.to_dict(), "before": limits_before.to_dict(), "after": limits_after.to_dict()},
         "decode": decode,

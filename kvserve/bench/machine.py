@@ -60,8 +60,12 @@ def cpu_busy_fraction(seconds: float = 0.5) -> float | None:
 def describe_machine() -> dict[str, Any]:
     import torch
 
+    from kvserve.kernels.isa import runnable_levels
+
     info: dict[str, Any] = {
         "cpu": cpu_model(),
+        # the kernel ISA levels this CPU runs (kvserve/kernels/isa.py), lowest first
+        "cpu_isa_levels": list(runnable_levels()),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

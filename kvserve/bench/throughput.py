@@ -77,6 +77,9 @@ def run_kvserve(
     timings = [o.timings[0] for o in outputs]
     result = {
         "engine": "kvserve",
+        # the CPU kernels' ISA level and each family's (None where the kernels are off)
+        "kernel_level": engine.kernels.level,
+        "kernel_families": dict(engine.kernels.families),
         **rates(workload, elapsed_s),
         "generated_tokens": generated,
         "peak_rss_mib": peak_rss_mib(),

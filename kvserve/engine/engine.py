@@ -152,7 +152,7 @@ class LLMEngine:
         if config.cpu_kernels and config.torch_device.type == "cpu":
             from kvserve.kernels import cpu_ops
 
-            ops = cpu_ops()
+            ops = cpu_ops(config.kernel_level) if config.kernel_level else None
             if self.tp is not None and ops is not None:
                 tp_notes.append("tensor parallel: each rank runs the CPU kernels on its share, layer by layer "
                                 "(the fused all-layers step has no AllReduce between layers)")  # fmt: skip

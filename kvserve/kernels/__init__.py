@@ -25,9 +25,14 @@ logger = logging.getLogger(__name__)
 _build_failures: dict[str, str] = {}  # level -> why its build failed, once cpu_ops() has tried
 
 
+def kernels_disabled() -> bool:
+    """KVSERVE_CPU_KERNELS=0: the plain-torch path everywhere."""
+    return os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0"
+
+
 def unavailable_reason(level: str | None = None) -> str | None:
     """Why the kernels cannot be used here (at `level`, default the chosen one), or None if they can."""
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+    if kernels_disabled():
         return "disabled by KVSERVE_CPU_KERNELS=0"
     level = level or chosen_level()
     if level is None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.config import cpu_supports_bf16
 from kvserve.model.arch import ModelArchitecture
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class KernelSupport:
     tile_rows: int = 16
     tile_k: int = 32
     amx: bool = False
+    level: str | None = None  # the ISA level of the loaded build (kvserve/kernels/isa.py); None: no kernels
+    families: dict[str, str] = dataclasses.field(default_factory=dict)  # each family the build runs -> its level
     prepack_weights: bool = False
     deterministic: bool = False
     ops: CpuOps | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -134,6 +137,13 @@ class KernelSupport:
             return cls.none(f"the kernels take bfloat16 or float32, the model is {str(dtype).removeprefix('torch.')}")
         lim = ops.limits()
         amx = bool(ops.amx_available())
+        level, families = ops.isa_level(), dict(ops.families())
+
+        def family(*names: str) -> str | None:
+            # a family the level's build has no code for: its kernels stay off
+            missing = [n for n in names if n not in families]
+            return f"no {' or '.join(missing)} kernels at the {level} level" if missing else None
+
         bf16 = dtype == torch.bfloat16
         g, hd = arch.queries_per_kv_head, arch.head_dim
         kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -154,6 +164,8 @@ class KernelSupport:
         hd_multiple = lim["decode_attention_head_dim_multiple_bf16" if bf16 or int8_kv else "decode_attention_head_dim_multiple_fp32"]
         decode_attention = verdict(
             [
+                # the cascade's parts (attention/cascade.py) are in the shared-prefix family
+                family("decode_attention", "shared_prefix_attention"),
                 kv_problem,
                 multiple(hd, hd_multiple, "head_dim"),
                 None if hd <= lim["decode_attention_max_head_dim"] else f"head_dim {hd} > {lim['decode_attention_max_head_dim']}",
@@ -161,34 +173,37 @@ class KernelSupport:
                 else f"{g} query heads per KV head > {lim['decode_attention_max_queries_per_kv_head']}",
             ],
             f"in place over the block tables, g={g} query heads per KV row read"
-            # int8 rows are widened in registers on the AVX512 path; AMX tiles read bf16 pools only
-            + (" (int8 K/V dequantized in registers, AVX512)" if int8_kv else " (AMX tiles)" if amx and bf16 else ""),
+            # int8 rows are widened in registers; AMX tiles read bf16 pools only
+            + (" (int8 K/V dequantized in registers)" if int8_kv else " (AMX tiles)" if amx and bf16 else ""),
         )
         prefill_attention = verdict(
-            [None if bf16 else "bfloat16 only", kv_problem, multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim")],
+            [family("prefill_attention"), None if bf16 else "bfloat16 only", kv_problem,
+             multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim")],
             # int8 K/V are packed into the same bf16 tiles (exactly), their scales applied to scores and probabilities
-            "packed K/V tiles" + (" from int8 pools" if int8_kv else "") + (" on AMX" if amx else " with AVX512-BF16 dot products"),
+            "packed K/V tiles" + (" from int8 pools" if int8_kv else "") + (" on AMX" if amx else f" at {families.get('prefill_attention')}"),
         )
-        rms_norm = verdict([multiple(arch.hidden_size, lim["rms_norm_width_multiple"], "hidden_size")], "fused residual add")
+        rms_norm = verdict([family("norm_rope_act"), multiple(arch.hidden_size, lim["rms_norm_width_multiple"], "hidden_size")], "fused residual add")
         rope_and_cache = verdict(
-            [kv_problem, multiple(hd, lim["rope_head_dim_multiple"], "head_dim")],
+            [family("norm_rope_act"), kv_problem, multiple(hd, lim["rope_head_dim_multiple"], "head_dim")],
             "RoPE and the K/V write" + (" (quantized to int8)" if int8_kv else "") + " in one pass",
         )
-        silu_and_mul = verdict([multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")], "one pass")
-        argmax_rows = KernelChoice.on("greedy rows of the sampler")
+        silu_and_mul = verdict([family("norm_rope_act"), multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")], "one pass")
+        argmax_rows = verdict([family("argmax")], "greedy rows of the sampler")
 
         vnni_tiles = prepack_weights and (not amx or deterministic)
-        gemv = verdict([None if bf16 else "bfloat16 weights only"],
+        gemv = verdict([family("gemv"), None if bf16 else "bfloat16 weights only"],
                        f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" if vnni_tiles else "row-major"))
         amx_linear = verdict(
-            [None if bf16 else "bfloat16 only", None if amx else "the CPU has no AMX-BF16",
+            [None if bf16 else "bfloat16 only",
+             None if amx else "the CPU has no AMX-BF16" if level == "amx" else f"no AMX at the {level} level",
              None if prepack_weights else "weights not prepacked (--no-prepack-weights)",
              "--deterministic: the VNNI tiles serve every row count, in one summation order" if deterministic else None],
             f"{lim['gemv_max_rows'] + 1}-{AMX_MAX_ROWS} rows on AMX tiles",
         )
         onednn_linear = verdict(
             [None if bf16 else "bfloat16 only", None if prepack_weights else "weights not prepacked (--no-prepack-weights)",
-             None if _onednn_packing_available() else "this torch build has no oneDNN weight packing"],
+             None if _onednn_packing_available() else "this torch build has no oneDNN weight packing",
+             None if cpu_supports_bf16() else "oneDNN has no bf16 kernels for this CPU"],
             f"past {AMX_MAX_ROWS} rows on oneDNN's packed copy" if amx
             else "projections off the VNNI-tile grid (on it, the tiles serve every row count: one copy of the weight)",
         )
@@ -212,12 +227,13 @@ class KernelSupport:
         )
         return cls(
             quant_linear=cls.quant_linear_choice(dtype, device, ops),
-            summary=f"kvserve CPU kernels, {'AMX-BF16' if amx else 'AVX512-BF16 without AMX'}",
+            summary=f"kvserve CPU kernels at the {level} level" + (" (AMX tiles granted)" if amx else ""),
             decode_attention=decode_attention, prefill_attention=prefill_attention, rms_norm=rms_norm,
             rope_and_cache=rope_and_cache, silu_and_mul=silu_and_mul, argmax_rows=argmax_rows, gemv=gemv,
             amx_linear=amx_linear, onednn_linear=onednn_linear, silu_epilogue=silu_epilogue,
             argmax_epilogue=argmax_epilogue, fused_decode=fused_decode, gemv_max_rows=lim["gemv_max_rows"],
             amx_argmax_max_rows=lim["amx_argmax_max_rows"], tile_rows=lim["tile_rows"], tile_k=lim["tile_k"], amx=amx,
+            level=level, families=families,
             prepack_weights=prepack_weights, deterministic=deterministic, ops=ops,
         )  # fmt: skip
 
@@ -225,7 +241,7 @@ class KernelSupport:
     def quant_linear_choice(dtype: torch.dtype, device: torch.device, ops: CpuOps | None) -> KernelChoice:
         """The verdict on quant_linear alone: the engine needs it before loading, to choose the
         format the weights are loaded in."""
-        from kvserve.kernels import cpu_has, unavailable_reason
+        from kvserve.kernels import unavailable_reason
 
         if device.type != "cpu":
             return KernelChoice.off(f"a CPU kernel; this model runs on {device}")
@@ -233,10 +249,12 @@ class KernelSupport:
             return KernelChoice.off(f"the CPU kernels are not loaded ({unavailable_reason() or 'turned off in the engine config'})")
         if dtype != torch.bfloat16:
             return KernelChoice.off(f"bfloat16 activations only; the model runs in {str(dtype).removeprefix('torch.')}")
-        if not cpu_has("avx512_vnni"):
-            return KernelChoice.off("the CPU lacks avx512_vnni")
+        level, families = ops.isa_level(), ops.families()
+        if "quant_linear" not in families:
+            return KernelChoice.off(f"no quant_linear kernels at the {level} level")
         return KernelChoice.on(
-            "block-quantized weights (GGUF Q8_0/Q4_0/Q4_1, repacked K-quants, int8/int4) as int8 dot products, every row count"
+            "block-quantized weights (GGUF Q8_0/Q4_0/Q4_1, repacked K-quants, int8/int4) as int8 dot products, "
+            f"every row count, at {families['quant_linear']}"
         )
 
     def op(self, name: str):
@@ -290,11 +308,14 @@ class KernelSupport:
         }
 
     def describe(self) -> str:
-        """One line per kernel: on or off, and why."""
+        """One line per kernel: on or off, and why; then the level each family's code runs at."""
         lines = [f"kernels: {self.summary}"]
+        if self.families:
+            lines.append("  families: " + ", ".join(f"{f} {lv}" for f, lv in sorted(self.families.items())))
         for name, choice in self.choices().items():
             lines.append(f"  {name.replace('_', ' '):<18} {choice}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, object]:
-        return {"summary": self.summary, **{n: dataclasses.asdict(c) for n, c in self.choices().items()}}
+        return {"summary": self.summary, "level": self.level, "families": dict(self.families),
+                **{n: dataclasses.asdict(c) for n, c in self.choices().items()}}

@@ -49,10 +49,17 @@ def measure_read_bytes_per_s(num_bytes: int, seconds: float, device: str = "cpu"
 
 
 def measure_bf16_flops_per_s(size: int, seconds: float, device: str = "cpu") -> float:
+    """The GEMM rate of bf16 inputs: bf16 matmuls where the device computes them natively; on a
+    CPU whose oneDNN has no bf16 kernels (AVX2-only), fp32, which is what kvserve's kernels do
+    there with bf16 weights (widened in registers). torch's bf16 fallback there is a scalar
+    loop: timing it took minutes and measured nothing kvserve runs."""
     import torch
 
-    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
-    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    from kvserve.config import cpu_supports_bf16
+
+    dtype = torch.bfloat16 if device != "cpu" or cpu_supports_bf16() else torch.float32
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     return 2 * size**3 / _best_time_s(lambda: a @ b, torch, device, seconds)
 
 

@@ -117,7 +117,14 @@ def stats(ctx: ServingContext) -> dict:
         "generation_tokens": int(samples.get("generation_tokens_total", 0)),
         "requests_finished": finished,
         "latency": {key: _histogram(samples, buckets, name) for key, name in _HISTOGRAMS.items()},
+        "kernels": _kernels(ctx),
     }
+
+
+def _kernels(ctx: ServingContext) -> dict:
+    """The CPU kernels' ISA level and each family's (null level where they are off)."""
+    support = ctx.engine.engine.kernels
+    return {"level": support.level, "families": dict(support.families)}
 
 
 def _histogram(samples: dict, buckets: dict, name: str) -> dict:

@@ -15,7 +15,7 @@ from kvserve.kernels import api, cpu_ops
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable here")
-needs_amx = pytest.mark.skipif(ops is None or not ops.amx_available(), reason="this CPU has no AMX-BF16")
+needs_amx = pytest.mark.needs_amx  # skipped at levels without AMX (tests/kernels/conftest.py)
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 
 DOCUMENTED_LIMITS = {

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-needs_amx = pytest.mark.skipif(ops is None or not ops.amx_available(), reason="this CPU has no AMX-BF16")
+needs_amx = pytest.mark.needs_amx  # skipped at levels without AMX (tests/kernels/conftest.py)
 
 
 def test_kernels_built_where_they_can_be():
