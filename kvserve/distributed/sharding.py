@@ -93,8 +93,9 @@ def plan_shard(arch: ModelArchitecture, rank: int, world: int) -> TensorParallel
 def shard_weights(weights: dict[str, torch.Tensor], arch: ModelArchitecture, shard: TensorParallelShard) -> None:
     """Cut `weights` (HF names; float tensors or QuantizedWeights in their packed formats)
     down to this rank's share, in place: each sliced and copied (contiguous), so the model's
-    whole tensors can be freed. A quantized weight is cut between its packed groups of 16
-    rows or blocks of 32 columns, never unpacked; a boundary inside one is refused."""
+    whole tensors can be freed. A quantized weight is cut in its packed layout, never unpacked,
+    between its groups of rows or blocks of columns (kvserve/kernels/layouts.py); a boundary
+    inside one is refused."""
     if shard.world == 1:
         return
     H = arch.head_dim

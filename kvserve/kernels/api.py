@@ -83,7 +83,7 @@ class Projection(Protocol):
 
 
 class QuantSegment(Protocol):
-    """Output columns (a multiple of 16) of one block-quantized format: kvserve/model/quant_formats.py packs them."""
+    """Output columns (a multiple of 16) of one block-quantized format, in the layout of kvserve/kernels/layouts.py."""
 
     def __init__(
         self, *, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None, format: int

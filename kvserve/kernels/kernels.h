@@ -224,7 +224,7 @@ at::Tensor argmax_rows(at::Tensor x);
 
 // ---- quant_linear.cpp ---------------------------------------------------------------------
 
-// Weight formats of a QuantSegment (kvserve/model/quant_formats.py packs them); a weight is
+// Weight formats of a QuantSegment (kvserve/kernels/layouts.py packs them); a weight is
 // w = d·c + m per block of 32 inputs of one output column, c its unsigned code:
 inline constexpr int64_t kQuantQ8 = 0;     // 8-bit codes q+128, m = -128·d       (Q8_0, int8 of float weights)
 inline constexpr int64_t kQuantQ4 = 1;     // 4-bit codes q+8, m = -8·d           (Q4_0)

@@ -14,10 +14,10 @@ code of 4 or 8 bits, d (and m, where stored) fp16:
 `--quantization int8` quantizes float weights with one scale per output channel (symmetric,
 scales [groups, 1, 16]); `int4` with a scale and a minimum per block of 32.
 
-Packing: per group of 16 output columns and block of 32 inputs, 8-bit codes as 8 vectors
-of [16 columns][4 inputs]; 4-bit codes as 4 such vectors, input k in the low nibble and
-k + 16 in the high one (GGUF's own Q4_0 order within a block). `dequantize` is the
-plain-torch reference the kernel is tested against.
+The packed layout (codes, scales and minima in groups of 16 output columns and blocks of 32
+inputs) is the kernels' own, stated, packed, unpacked and cut in kvserve/kernels/layouts.py;
+this module only decides what the codes and scales are. `dequantize` is the plain-torch
+reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import dataclasses
 import numpy as np
 import torch
 
-BLOCK = 32
-GROUP = 16  # output columns per packed group
+from kvserve.kernels import layouts
+from kvserve.kernels.layouts import BLOCK, GROUP  # noqa: F401  (re-exported: the packed grid)
+
 # rows packed at a time: the float values a repack or quantization goes through ([rows,
 # cols] fp32, and their codes) stay a few tens of MB even for a 128k-row LM head
 _CHUNK_ROWS = 2048
@@ -98,12 +99,12 @@ def slice_rows(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
         raise ValueError(f"rows [{lo}, {hi}) are not whole groups of {GROUP} packed rows")
     out, start = [], 0
     for seg in w.segments:
-        a, b = max(lo, start), min(hi, start + seg.rows)
+        a, b = max(lo, start) - start, min(hi, start + seg.rows) - start  # within the segment
         if a < b:
-            g0, g1 = (a - start) // GROUP, (b - start) // GROUP
             out.append(dataclasses.replace(
-                seg, rows=b - a, codes=seg.codes[g0:g1].contiguous(), scales=seg.scales[g0:g1].contiguous(),
-                mins=None if seg.mins is None else seg.mins[g0:g1].contiguous(),
+                seg, rows=b - a, codes=layouts.slice_group_rows(seg.codes, a, b),
+                scales=layouts.slice_group_rows(seg.scales, a, b),
+                mins=None if seg.mins is None else layouts.slice_group_rows(seg.mins, a, b),
             ))  # fmt: skip
         start += seg.rows
     return QuantizedWeight(out)
@@ -111,47 +112,22 @@ def slice_rows(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
 
 def slice_cols(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
     """Input columns [lo, hi) of `w` (a tensor-parallel row shard): whole blocks of BLOCK
-    columns, so lo and hi must fall on them. A per-output-channel scale (one per row) stays."""
-    if lo % BLOCK or hi % BLOCK:
-        raise ValueError(f"columns [{lo}, {hi}) are not whole blocks of {BLOCK}")
-    b0, b1 = lo // BLOCK, hi // BLOCK
+    columns, so lo and hi must fall on them (ValueError otherwise). A per-output-channel scale
+    (one per row) stays."""
     out = []
     for seg in w.segments:
-        scales = seg.scales if seg.scales.shape[1] == 1 else seg.scales[:, b0:b1].contiguous()
         out.append(dataclasses.replace(
-            seg, cols=hi - lo, codes=seg.codes[:, b0:b1].contiguous(), scales=scales,
-            mins=None if seg.mins is None else seg.mins[:, b0:b1].contiguous(),
+            seg, cols=hi - lo, codes=layouts.slice_block_cols(seg.codes, lo, hi),
+            scales=layouts.slice_params_cols(seg.scales, lo, hi),
+            mins=None if seg.mins is None else layouts.slice_params_cols(seg.mins, lo, hi),
         ))  # fmt: skip
     return QuantizedWeight(out)
 
 
-def packable(rows: int, cols: int) -> bool:
-    return rows % GROUP == 0 and cols % BLOCK == 0 and rows > 0
+packable = layouts.on_grid  # whether an [rows, cols] weight packs
 
 
 # ---- packing ------------------------------------------------------------------------------
-
-
-def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [N, K] uint8 (values < 2**bits) → the kernel's [N/16, K/32, bytes] layout."""
-    n, k = codes.shape
-    kb = k // BLOCK
-    if bits == 8:
-        return codes.view(n // GROUP, GROUP, kb, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // GROUP, kb, 512).contiguous()
-    blocks = codes.view(n, kb, 2, 16)
-    return _pack_nibbles(blocks[:, :, 0] | (blocks[:, :, 1] << 4))
-
-
-def _pack_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """qs [N, K/32, 16] bytes, input k in the low nibble of byte k and k+16 in its high one."""
-    n, kb, _ = qs.shape
-    return qs.view(n // GROUP, GROUP, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // GROUP, kb, 256).contiguous()
-
-
-def _pack_scales(d: torch.Tensor) -> torch.Tensor:
-    """[N, blocks] → fp16 [N/16, blocks, 16]."""
-    n, b = d.shape
-    return d.to(torch.float16).view(n // GROUP, GROUP, b).permute(0, 2, 1).contiguous()
 
 
 def pack(kind: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, source: str) -> QuantizedWeight:
@@ -159,8 +135,8 @@ def pack(kind: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
     bits, has_min, _ = KINDS[kind]
     n, k = codes.shape
     seg = QuantSegment(
-        kind, n, k, _pack_codes(codes.to(torch.uint8), bits), _pack_scales(d),
-        _pack_scales(m) if has_min else None, source,
+        kind, n, k, layouts.pack_codes(codes.to(torch.uint8), bits), layouts.pack_block_params(d),
+        layouts.pack_block_params(m) if has_min else None, source,
     )  # fmt: skip
     return QuantizedWeight([seg])
 
@@ -169,16 +145,10 @@ def dequantize_segment(seg: QuantSegment) -> torch.Tensor:
     """The reference: the segment's weights as fp32 [rows, cols], d·c + m exactly as the kernel's
     embedding lookup (and gguf's dequantize) computes them."""
     bits, has_min, offset = KINDS[seg.kind]
-    g, kb, _ = seg.codes.shape
-    if bits == 8:
-        codes = seg.codes.view(g, kb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(g * GROUP, kb, BLOCK)
-    else:
-        packed = seg.codes.view(g, kb, 4, GROUP, 4)
-        both = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [g, kb, 2, 4, 16, 4]
-        codes = both.permute(0, 4, 1, 2, 3, 5).reshape(g * GROUP, kb, BLOCK)
-    d = seg.scales.float().permute(0, 2, 1).reshape(g * GROUP, -1, 1)
-    m = seg.mins.float().permute(0, 2, 1).reshape(g * GROUP, kb, 1) if has_min else -float(offset) * d
-    return (d * codes.float() + m).reshape(g * GROUP, kb * BLOCK)
+    codes = layouts.unpack_codes(seg.codes, bits).view(seg.rows, seg.cols // BLOCK, BLOCK)
+    d = layouts.unpack_block_params(seg.scales).float()[..., None]  # [rows, blocks or 1, 1]
+    m = layouts.unpack_block_params(seg.mins).float()[..., None] if has_min else -float(offset) * d
+    return (d * codes.float() + m).reshape(seg.rows, seg.cols)
 
 
 # ---- from float weights (--quantization int8 | int4) --------------------------------------
@@ -256,9 +226,10 @@ def from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Quantize
         header = 2 if type_name == "Q4_0" else 4
         blocks = raw.reshape(rows, kb, header + 16)
         kind = "q4" if type_name == "Q4_0" else "q4_min"
+        mins = layouts.pack_block_params(_f16(blocks, 2)) if header == 4 else None
         seg = QuantSegment(
-            kind, rows, cols, _pack_nibbles(torch.from_numpy(np.ascontiguousarray(blocks[:, :, header:]))),
-            _pack_scales(_f16(blocks, 0)), _pack_scales(_f16(blocks, 2)) if header == 4 else None, f"{type_name} (native)",
+            kind, rows, cols, layouts.pack_nibbles(torch.from_numpy(np.ascontiguousarray(blocks[:, :, header:]))),
+            layouts.pack_block_params(_f16(blocks, 0)), mins, f"{type_name} (native)",
         )  # fmt: skip
         return QuantizedWeight([seg])
     if type_name == "Q4_K":

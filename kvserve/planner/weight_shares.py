@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the packed layout's grid (kvserve/model/quant_formats.py GROUP and BLOCK; a test checks they agree)
+# the packed layout's grid (kvserve/kernels/layouts.py GROUP and BLOCK, kept as numbers so the
+# planner stays torch-free; a test checks they agree)
 GROUP_ROWS = 16
 BLOCK_COLS = 32
 FLOAT_BYTES_WITH_QUANTIZED = 2  # norms, biases and off-grid weights beside int8/int4: bf16 (quant_linear's dtype)

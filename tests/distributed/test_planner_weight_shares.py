@@ -15,7 +15,7 @@ from kvserve import LLM
 from kvserve.cli import main
 from kvserve.distributed.sharding import plan_shard, shard_weights
 from kvserve.errors import ConfigError
-from kvserve.kernels import cpu_has, cpu_ops
+from kvserve.kernels import cpu_has, cpu_ops, layouts
 from kvserve.model import quant_formats
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.loader import _quantizer
@@ -75,8 +75,8 @@ def _sharded(arch, world, rank, weights) -> dict:
     return weights
 
 
-def test_the_packed_grid_is_quant_formats():
-    assert (weight_shares.GROUP_ROWS, weight_shares.BLOCK_COLS) == (quant_formats.GROUP, quant_formats.BLOCK)
+def test_the_packed_grid_is_the_kernels_layouts():
+    assert (weight_shares.GROUP_ROWS, weight_shares.BLOCK_COLS) == (layouts.GROUP, layouts.BLOCK)
 
 
 SHAPES = {

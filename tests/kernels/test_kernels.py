@@ -269,7 +269,7 @@ def test_amx_linear_matches_torch(rows, n, k, with_bias):
 def test_amx_linear_silu_mul_is_the_unfused_pair_bitwise(rows, intermediate, k):
     """The fused gate/up kernel against amx_linear then silu_and_mul on the plain [gate; up]
     pack: both loops, rows off the tile grid, odd A tiles in a panel — bit for bit."""
-    from kvserve.model.linear_methods.cpu_bf16 import interleave_gate_up
+    from kvserve.kernels.layouts import interleave_gate_up
 
     g = torch.Generator().manual_seed(rows + intermediate)
     gate_up = (torch.randn(2 * intermediate, k, generator=g) * 0.2).bfloat16()
@@ -307,14 +307,6 @@ def test_amx_linear_argmax_refuses_more_rows_than_its_loop_takes():
     packed = ops.amx_pack_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="at most 128 rows"):
         ops.amx_linear_argmax(torch.zeros(129, 32, dtype=torch.bfloat16), packed)
-
-
-def test_interleave_gate_up_alternates_16_row_blocks():
-    from kvserve.model.linear_methods.cpu_bf16 import interleave_gate_up
-
-    gate_up = torch.arange(64).view(64, 1)  # gate rows 0-31, up rows 32-63
-    order = interleave_gate_up(gate_up).view(-1).tolist()
-    assert order == [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
 
 
 @needs_amx

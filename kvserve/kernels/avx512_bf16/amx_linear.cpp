@@ -216,7 +216,7 @@ enum class Epilogue { kStore, kSiluMul, kArgmax };
 
 // y = x·Wᵀ (+ bias) with W packed by amx_pack_weight. With kSiluMul, W is the gate and up
 // projections with their 16-column blocks interleaved (gate block p, then up block p: see
-// interleave_gate_up in kvserve/model/linear_methods/cpu_bf16.py) and y = silu(gate) · up, [M, N/2]. Both
+// interleave_gate_up in kvserve/kernels/layouts.py) and y = silu(gate) · up, [M, N/2]. Both
 // halves of a pair are rounded to bf16 first, as the unfused path stores them, so the
 // result is bitwise that of amx_linear followed by silu_and_mul — without writing the
 // [M, N] gate/up product and reading it back, and without the separate pass over it.

@@ -7,7 +7,7 @@
 // and m_w its block minimum: stored for the formats that have one (Q4_1, Q4_K, Q5_1, Q5_K),
 // else -offset·d_w (Q8_0's codes are q+128, Q4_0's q with offset 8).
 //
-// The layout (QuantSegment in kernels.h; packed by kvserve/model/quant_formats.py): per
+// The layout (QuantSegment in kernels.h; packed by kvserve/kernels/layouts.py): per
 // group of 16 output columns and per block of 32 features,
 //   8-bit codes: 8 vectors of [16 columns][4 features]: byte j·64 + 4c + t = c_{col c}[4j + t]
 //   4-bit codes: 4 vectors; byte j·64 + 4c + t = c[4j + t] | c[16 + 4j + t] << 4

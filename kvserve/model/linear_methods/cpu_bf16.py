@@ -23,19 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kernels import layouts
+from kvserve.kernels.layouts import interleave_gate_up  # noqa: F401  (re-exported: its old home)
 from kvserve.kernels.support import ProjectionPlan
 from kvserve.model.linear_methods.base import LinearMethod
 
 # oneDNN picks its blocking from a row-count hint; any row count works with the result
 _ONEDNN_HINT_ROWS = 2048
-
-
-def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
-    """[gate; up] ([2I, K]) with their 16-row blocks alternating: gate rows 0-15, up rows
-    0-15, gate rows 16-31, ... the order amx_linear_silu_mul reads its packed weight in, so
-    each 16 outputs of silu(gate)·up come from two neighbouring column blocks."""
-    two_i, k = gate_up.shape
-    return gate_up.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k)
 
 
 class CpuBf16LinearMethod(LinearMethod):
@@ -52,7 +46,7 @@ class CpuBf16LinearMethod(LinearMethod):
         gemv = ops.amx_pack_weight(w) if plan.gemv_vnni else None
         amx = None
         if plan.amx_max_rows:
-            amx = ops.amx_pack_weight(interleave_gate_up(w) if plan.silu_interleaved else w)
+            amx = ops.amx_pack_weight(layouts.interleave_gate_up(w) if plan.silu_interleaved else w)
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_HINT_ROWS) if plan.onednn else None
         if not plan.keep_row_major:
             layer.weight = None  # the packed copies serve every row count
@@ -91,11 +85,7 @@ class CpuBf16LinearMethod(LinearMethod):
     def embedding_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if layer.weight is not None:
             return super().embedding_rows(layer, ids)
-        # gathered from the VNNI tiles ([N/16, K/32, 16 pairs, 16 columns × 2]): no row-major copy kept for lookups
-        tiles = layer.kernel.gemv
-        g, kb = tiles.shape[:2]
-        rows = tiles.view(g, kb, 16, 16, 2)[ids // 16, :, :, ids % 16, :]
-        return rows.reshape(ids.shape[0], kb * 32)
+        return layouts.bf16_tile_rows(layer.kernel.gemv, ids)  # no row-major copy kept for lookups
 
     def batch_invariant(self, layer) -> bool:
         # the GEMV and gemm_vnni's tiles sum each output in one order (kernels/gemv.cpp);

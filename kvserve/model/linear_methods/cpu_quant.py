@@ -1,10 +1,11 @@
 """Block-quantized weights on the CPU: kvserve's quant_linear kernel for every row count.
 
 The weight stays in its quantized form (kvserve/model/quant_formats.py), once, in the layout
-the kernel reads: no float copy. The compute format is an int8 dot product: each row of
-the activations is quantized to int8 per block of 32 (one fp32 scale, Σq kept for the
-weight minima) and multiplied with the weight codes by VPDPBUSD (AVX512-VNNI); per block the
-integer sum is scaled by both scales in fp32. Decode (1-8 rows), batched decode and prefill
+every kernel level reads (kvserve/kernels/layouts.py): no float copy. The compute format is
+an int8 dot product: each row of the activations is quantized to int8 per block of 32 (one
+fp32 scale, Σq kept for the weight minima) and multiplied with the weight codes in integers
+(kvserve/kernels/ says with which instructions at each level); per block the integer sum is
+scaled by both scales in fp32. Decode (1-8 rows), batched decode and prefill
 all run this one kernel, so a row's result never depends on the batch it came in.
 """
 
