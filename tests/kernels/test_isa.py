@@ -141,3 +141,16 @@ def test_each_build_reports_its_level_and_families():
 
 def test_module_names_differ_by_level():
     assert len({b.module_name() for b in BUILDS.values()}) == len(BUILDS)
+
+
+@pytest.mark.parametrize("level", isa.runnable_levels())
+def test_the_start_up_report_names_the_forced_level(level, tiny_model_dirs):
+    from kvserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dirs["llama-gqa"], dtype="bfloat16", device="cpu",
+                                    kv_cache_memory="4MiB", cpu_isa=level))  # fmt: skip
+    build = build_for(level)
+    assert engine.kernels.level == build.level
+    report = engine.describe()
+    assert f"kernels: kvserve CPU kernels at the {build.level} level" in report
+    assert f"families: argmax {build.level}" in report

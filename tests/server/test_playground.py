@@ -44,6 +44,14 @@ def test_data_routes_need_the_key(server, http):
     assert {"running", "waiting", "kv_cache", "prefix_cache", "preemptions", "generation_tokens", "latency"} <= set(stats)
     assert set(stats["latency"]) == {"ttft", "itl", "tpot", "e2e", "queue_time"}
     assert stats["kv_cache"]["blocks_total"] > 0
+    # the CPU kernels' level and each family's, as the start-up report names them
+    from kvserve.kernels.isa import LEVELS, native_level
+
+    kernels = stats["kernels"]
+    assert set(kernels) == {"level", "families"}
+    if kernels["level"] is not None:
+        assert kernels["level"] in LEVELS and LEVELS.index(kernels["level"]) <= LEVELS.index(native_level())
+        assert kernels["families"] and set(kernels["families"].values()) <= set(LEVELS)
 
 
 def test_stats_agree_with_metrics(server, http):
