@@ -44,7 +44,12 @@ class KernelBuild:
             family = sorted((HERE / "core").glob("*.cpp")) + sorted((HERE / "portable").glob("*.cpp"))
         else:
             family = sorted((HERE / self.tree).glob("*.cpp"))
-        return glue + family
+        sources = glue + family
+        # torch's build names each object after its source's file name alone
+        stems = [p.stem for p in sources]
+        dup = sorted({s for s in stems if stems.count(s) > 1})
+        assert not dup, f"kernel sources share object names {dup}: core/ files end in _core.cpp"
+        return sources
 
     @property
     def headers(self) -> list[Path]:

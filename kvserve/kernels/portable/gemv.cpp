@@ -1,14 +1,87 @@
-// PLACEHOLDER: the gemv family at the portable levels (not yet written). Each function refuses;
-// the family is not registered, so KernelSupport keeps its kernels off.
+// The gemv family at the portable levels (kvserve/kernels/core/gemv_core.cpp): gemv_bf16 on the
+// row-major weight, gemv_vnni and gemm_vnni on its VNNI-tile copy, and amx_pack_weight, the
+// layout transform that makes the copy (no AMX instruction: the same tiles as the AMX level's,
+// which CPUs without AMX read with 8-lane FMAs). Checks and messages as the avx512_bf16 build's.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include "../core/gemv.h"
 #include "../kernels.h"
 
+KVSERVE_KERNEL_FAMILY("gemv");
+
+namespace core = kvserve::KVSERVE_LEVEL_NS::gemv;
+
+static_assert(core::kTileN == kWeightTileRows && core::kTileK == kWeightTileK, "the core's VNNI tiles are kernels.h's");
+
 namespace {
-[[noreturn]] void not_yet(const char* what) {
-  TORCH_CHECK(false, what, " is not built at the ", KVSERVE_LEVEL_NAME, " level yet");
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bits_out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+void check_rows(const char* name, int64_t M) {
+  TORCH_CHECK(M >= 1 && M <= kGemvMaxRows, name, ": 1 <= M <= ", kGemvMaxRows, ", got ", M);
 }
+
+// x [M, K] against packed [N/16, K/32, 16, 32]: the checks gemv_vnni and gemm_vnni share
+void check_packed(const char* name, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, name, ": bf16 only");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kWeightTileRows && packed.size(3) == kWeightTileK &&
+                  packed.is_contiguous(),
+              name, ": packed must come from amx_pack_weight");
+  TORCH_CHECK(x.dim() == 2, name, ": x must be [M, K], got ", x.dim(), " dimensions");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.size(1) * kWeightTileK == K, name, ": x has ", K, " features, the weight ",
+              packed.size(1) * kWeightTileK);
+}
+
+at::Tensor run_tiles(at::Tensor x, const at::Tensor& packed) {
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kWeightTileRows;
+  auto y = at::empty({M, N}, x.options());
+  if (M > 0) core::gemm_tiles(bits(x), bits(packed), bits_out(y), M, K, N);
+  return y;
+}
+
 }  // namespace
 
-at::Tensor gemv_bf16(at::Tensor, at::Tensor) { not_yet("gemv_bf16"); }
-at::Tensor gemv_vnni(at::Tensor, at::Tensor) { not_yet("gemv_vnni"); }
-at::Tensor gemm_vnni(at::Tensor, at::Tensor) { not_yet("gemm_vnni"); }
-at::Tensor amx_pack_weight(at::Tensor) { not_yet("amx_pack_weight"); }
+// y[M, N] = x[M, K] · w[N, K]ᵀ, 1 <= M <= kGemvMaxRows, bf16, w row-major
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: shapes");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_rows("gemv_bf16", M);
+  auto y = at::empty({M, N}, x.options());
+  core::gemv_rowmajor(bits(x), bits(w), bits_out(y), M, K, N);
+  return y;
+}
+
+// x: [M <= kGemvMaxRows, K] bf16; packed: amx_pack_weight(w) for w [N, K]. Returns [M, N] bf16.
+at::Tensor gemv_vnni(at::Tensor x, at::Tensor packed) {
+  check_packed("gemv_vnni", x, packed);
+  check_rows("gemv_vnni", x.size(0));
+  return run_tiles(x, packed);
+}
+
+// x: [M, K] bf16, any M; packed: amx_pack_weight(w). Returns [M, N] bf16, each row bitwise
+// what gemv_vnni gives it (one summation order for every row count).
+at::Tensor gemm_vnni(at::Tensor x, at::Tensor packed) {
+  check_packed("gemm_vnni", x, packed);
+  return run_tiles(x, packed);
+}
+
+// w [N, K] bf16 → VNNI tiles [N/16, K/32, 16, 32]: tile (nb, kb) row kp holds, for each of the
+// 16 columns n, the pair (w[16nb + n][32kb + 2kp], w[16nb + n][32kb + 2kp + 1])
+at::Tensor amx_pack_weight(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx_pack_weight: [N, K] bf16");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kWeightTileRows == 0 && K % kWeightTileK == 0, "amx_pack_weight: N % ", kWeightTileRows,
+              " == 0 and K % ", kWeightTileK, " == 0, got ", N, "x", K);
+  return w.contiguous()
+      .view({N / kWeightTileRows, kWeightTileRows, K / kWeightTileK, kWeightTileK / 2, 2})
+      .permute({0, 2, 3, 1, 4})
+      .contiguous()
+      .view({N / kWeightTileRows, K / kWeightTileK, kWeightTileK / 2, kWeightTileK});
+}

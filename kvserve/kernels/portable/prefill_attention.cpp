@@ -1,11 +1,114 @@
-// PLACEHOLDER: the prefill_attention family at the portable levels (not yet written). Each function refuses;
-// the family is not registered, so KernelSupport keeps its kernels off.
+// paged_prefill_attention at the portable levels: the argument checks of the AVX512-BF16 build
+// (the same messages), then the torch-free core (core/prefill_attention.h).
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../core/prefill_attention.h"
 #include "../kernels.h"
 
+KVSERVE_KERNEL_FAMILY("prefill_attention");
+
 namespace {
-[[noreturn]] void not_yet(const char* what) {
-  TORCH_CHECK(false, what, " is not built at the ", KVSERVE_LEVEL_NAME, " level yet");
+
+// check_int8_pools (kernels.h) as the decode family defines it, kept here so that this family
+// does not depend on another's build being there; the same checks and messages.
+void check_int8_pools_here(const at::Tensor& k_pool, const at::Tensor& v_pool, const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale, const char* who) {
+  TORCH_CHECK(v_pool.scalar_type() == at::kChar && k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
+                  v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() && v_scale->is_contiguous(),
+              who, ": int8 pools need their contiguous float32 scales");
+  TORCH_CHECK(k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
+              who, ": one scale per (slot, KV head)");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), who, ": pools must be contiguous");
 }
+
 }  // namespace
 
-void paged_prefill_attention(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>) { not_yet("paged_prefill_attention"); }
+// q, out: [T, N_q, D] bf16 (out written only at the segments' rows); pools [num_blocks,
+// block_size, N_kv, D] bf16, or int8 with their scales k_scale / v_scale [num_blocks,
+// block_size, N_kv] fp32; slots: int64, every segment's context slots back to back;
+// segments: int64 [n, 4] = (query_start, num_new, num_cached, slot_offset).
+// shared: int64 [n, 2] = (leader, shared_len) per segment, or none: a member's first
+// shared_len positions (a multiple of 64, within its cached history) are its leader's, whose
+// packed K/V it reads instead of packing them again (the pool read once per group; the same
+// values, so the same bits). A leader and a segment alone have (itself, 0).
+void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
+                             at::Tensor segments, double scale, at::Tensor out, c10::optional<at::Tensor> k_scale,
+                             c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> shared) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && out.sizes() == q.sizes(), "paged_prefill_attention: shapes");
+  const bool int8 = k_pool.scalar_type() == at::kChar;
+  const auto pool_type = int8 ? at::kChar : at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == pool_type &&
+                  v_pool.scalar_type() == pool_type && out.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: bf16 queries, bf16 or int8 pools");
+  if (int8) {
+    check_int8_pools_here(k_pool, v_pool, k_scale, v_scale, "paged_prefill_attention");
+  } else {
+    TORCH_CHECK(!k_scale && !v_scale, "paged_prefill_attention: scales are for int8 pools only");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+                  segments.size(1) == 4, "paged_prefill_attention: int64 slots and [n, 4] segments");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "contiguous pools and out");
+  const int64_t D = q.size(2), num_heads = q.size(1), num_kv = k_pool.size(2);
+  TORCH_CHECK(D % kPrefillAttentionHeadDimMultiple == 0 && k_pool.size(3) == D && num_heads % num_kv == 0,
+              "paged_prefill_attention: head_dim % ", kPrefillAttentionHeadDimMultiple, " == 0, got ", D);
+  TORCH_CHECK(scale > 0, "paged_prefill_attention: scale > 0 (the row maximum is taken before scaling)");
+  q = q.contiguous();
+  slots = slots.contiguous();
+  segments = segments.contiguous();
+  const int64_t n = segments.size(0);
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(seg[i * 4 + 3] + seg[i * 4 + 1] + seg[i * 4 + 2] <= slots.numel() && seg[i * 4] + seg[i * 4 + 1] <= q.size(0),
+                "segment ", i, " out of range");
+  // each segment's (leader, shared_len), checked: the shared slots must be the leader's
+  std::vector<int64_t> leader_of(n), shared_len(n, 0);
+  for (int64_t i = 0; i < n; ++i) leader_of[i] = i;
+  bool any_shared = false;
+  if (shared) {
+    TORCH_CHECK(shared->scalar_type() == at::kLong && shared->dim() == 2 && shared->size(0) == n && shared->size(1) == 2,
+                "paged_prefill_attention: shared must be int64 [n, 2] (leader, shared_len)");
+    const at::Tensor sh = shared->contiguous();
+    const int64_t* sp = sh.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t lead = sp[i * 2], len = sp[i * 2 + 1];
+      if (len == 0) continue;
+      TORCH_CHECK(0 <= lead && lead < n && lead != i && sp[lead * 2 + 1] == 0 && len % 64 == 0 && len <= seg[i * 4 + 2] &&
+                      len <= seg[lead * 4 + 1] + seg[lead * 4 + 2],
+                  "paged_prefill_attention: segment ", i, " shares ", len, " positions of segment ", lead,
+                  ": a leader sharing nothing itself, a multiple of 64 within both histories");
+      TORCH_CHECK(std::equal(slot + seg[i * 4 + 3], slot + seg[i * 4 + 3] + len, slot + seg[lead * 4 + 3]),
+                  "paged_prefill_attention: segment ", i, "'s first ", len, " slots are not segment ", lead, "'s");
+      leader_of[i] = lead;
+      shared_len[i] = len;
+      any_shared = true;
+    }
+  }
+
+  kvserve::KVSERVE_LEVEL_NS::PrefillAttentionArgs args;
+  args.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  args.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  if (int8) {
+    args.k_pool = k_pool.data_ptr<int8_t>();
+    args.v_pool = v_pool.data_ptr<int8_t>();
+    args.k_scale = k_scale->data_ptr<float>();
+    args.v_scale = v_scale->data_ptr<float>();
+  } else {
+    args.k_pool = k_pool.data_ptr<at::BFloat16>();
+    args.v_pool = v_pool.data_ptr<at::BFloat16>();
+  }
+  args.int8 = int8;
+  args.num_heads = num_heads;
+  args.num_kv_heads = num_kv;
+  args.head_dim = D;
+  args.slots = slot;
+  args.segments = seg;
+  args.num_segments = n;
+  args.leader = any_shared ? leader_of.data() : nullptr;
+  args.shared_len = any_shared ? shared_len.data() : nullptr;
+  args.scale = static_cast<float>(scale);
+  kvserve::KVSERVE_LEVEL_NS::paged_prefill_attention(args);
+}

@@ -1,0 +1,354 @@
+// y = x·Wᵀ (+ b) on block-quantized weights at the portable levels (avx2, avx512-vnni), on
+// 8-lane vectors. The compute format is that of the AVX512 kernel (avx512_bf16/quant_linear.cpp):
+// each row of x is quantized per block of 32 features to int8 (one fp32 scale d_x = amax/127,
+// codes round(x·127/amax), and their sum Σq), then per block of 32 weights of one column
+//     Σ_k w_k·x_k = d_x · (d_w · Σ_k (c_k − o)·q_k + m_w · Σ_k q_k),   w_k = d_w·c_k + m_w,
+// with o = 0 for the formats that store m (Q4_1, Q5_x, Q4_K: kFormat*Min), and for the
+// others the offset of the implied minimum m_w = −o·d_w folded into the integer sum
+// (o = 128 for Q8_0 and int8, 8 for Q4_0) — the integer sums are exact, so that changes nothing
+// but one multiply.
+//
+// The layout (kernels.h QuantSegment, packed by kvserve/model/quant_formats.py), per group of
+// 16 output columns and block of 32 inputs:
+//   8-bit codes: 8 vectors of 64 bytes, byte j·64 + 4c + t = c_{col c}[4j + t]
+//   4-bit codes: 4 vectors; byte j·64 + 4c + t = c[4j + t] | c[16 + 4j + t] << 4
+// Each 64-byte vector is read here as two 32-byte halves, columns 0-7 and 8-15: one
+// 4-byte broadcast of x (inputs 4j..4j+3) against a half gives 8 columns' partial dots, so
+// the weight bytes stream strictly in order and every accumulator holds 8 columns.
+//
+// The integer dot products, per level:
+//   avx512-vnni  VPDPBUSD (simd::dot4_u8s8) on the unsigned codes as they are: exact.
+//   avx2         VPMADDUBSW saturates its int16 pair sums. 4-bit codes (<= 15) times |q| <= 127
+//                are safe, and a whole block's pair sums stay below 8·2·15·127 = 30480, so they
+//                accumulate in int16 and widen once per block (VPMADDWD). 8-bit codes are
+//                not safe (255·127·2 > 32767): llama.cpp's sign trick, with q = c ^ 0x80
+//                signed, multiplies |q| (<= 128, unsigned) by x carrying q's sign (VPSIGNB):
+//                Σ q·x exact, and Σ c·x = Σ q·x + 128·Σx.
+// Both levels reach the same exact integer, then the same fp32 operations: the two builds
+// agree bitwise.
+//
+// Row invariance: each row's blocks are summed in one order with the same operations
+// whatever the tile of rows it lands in (integer sums exact; per row, per block: one
+// convert, the scales' multiply-adds, one fused add into the row's accumulator; bias added
+// last). Tiles of rows share each weight load; chunks of kChunkRows rows keep their
+// quantized x cache-resident while every column group passes. Threads split column
+// groups (contiguous ranges: each thread streams its own run of the weight).
+#include "quant_linear.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace kvserve {
+namespace KVSERVE_LEVEL_NS {
+namespace quant {
+namespace {
+
+// rows of x per register tile (measured on prefill, M = 64: avx2 2-4 alike, 1 ~10% slower;
+// avx512-vnni 4 ~ 6, 2 ~15% slower)
+#if KVSERVE_VNNI_DOT
+constexpr int kTileRows = 4;  // 32 ymm registers with EVEX
+#else
+constexpr int kTileRows = 2;  // 16 ymm registers
+#endif
+constexpr int64_t kChunkRows = 64;  // rows whose quantized x stays cache-resident while every group passes
+// below this many (row, group, block) steps the call runs on the calling thread
+constexpr int64_t kParallelMinWork = 512;
+
+inline int64_t align64(int64_t n) { return (n + 63) & ~int64_t{63}; }
+
+// ---- activations --------------------------------------------------------------------------
+
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 32 values → int8 codes q (round(x·127/amax), nearest even), d = amax/127, s = Σq: the rule
+// of the AVX512 kernel (and the tests' reference), value for value.
+template <typename T>
+inline void quantize_block(const T* x, int8_t* q, float* d, int32_t* s) {
+  const __m256 v0 = simd::load8(x), v1 = simd::load8(x + 8), v2 = simd::load8(x + 16), v3 = simd::load8(x + 24);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)),
+                                 _mm256_max_ps(_mm256_and_ps(v2, abs_mask), _mm256_and_ps(v3, abs_mask)));
+  const float amax = simd::hmax8(a);
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 vi = _mm256_set1_ps(inv);
+  // _mm256_cvtps_epi32 rounds to nearest even (the default MXCSR); |x·inv| <= 127
+  const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi));
+  const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi));
+  const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi));
+  const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
+  // packs work within 128-bit lanes: lane 0 holds q0..q3's elements 0-3, lane 1 their 4-7
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  *d = amax / 127.f;
+  *s = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3)));
+}
+
+// ---- weights ------------------------------------------------------------------------------
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+template <int F>
+struct Format {
+  static constexpr int kBits = F == kFormatQ8 || F == kFormatQ8Min ? 8 : 4;
+  static constexpr bool kHasMin = F == kFormatQ4Min || F == kFormatQ8Min;
+  static constexpr int kOffset = F == kFormatQ8 ? 128 : F == kFormatQ4 ? 8 : 0;  // m = −offset·d
+  static constexpr int64_t kBytes = kBits * kGroup * kBlock / 8;                  // per (group, block)
+  // block_sums gives Σ (c − kNatural)·q: the avx2 8-bit path sums signed q = c − 128
+  static constexpr int kNatural = kBits == 8 && !KVSERVE_VNNI_DOT ? 128 : 0;
+};
+
+// The integer sums of one (group, block) for R rows: S[r][h] = Σ_k (c_k − kNatural)·q_k for
+// columns 8h..8h+7 of the group, exact. x: the block's first quantized input of row 0 (rows K apart).
+template <int F, int R>
+inline void block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i (&S)[R][2]) {
+  constexpr int A = R <= 2 ? 2 : 1;  // independent chains per sum where rows are few (VNNI latency)
+  if constexpr (Format<F>::kBits == 4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+#if KVSERVE_VNNI_DOT
+    __m256i acc[A][R][2];
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+      const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
+        acc[0][r][0] = simd::dot4_u8s8(acc[0][r][0], lo0, bl);
+        acc[0][r][1] = simd::dot4_u8s8(acc[0][r][1], lo1, bl);
+        acc[A - 1][r][0] = simd::dot4_u8s8(acc[A - 1][r][0], hi0, bh);
+        acc[A - 1][r][1] = simd::dot4_u8s8(acc[A - 1][r][1], hi1, bh);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) S[r][h] = A > 1 ? _mm256_add_epi32(acc[0][r][h], acc[A - 1][r][h]) : acc[0][r][h];
+#else
+    // int16 pair sums: |Σ| <= 8 products-pairs · 2·15·127 = 30480 per lane, exact in any order
+    __m256i p[R][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+      const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
+        const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh));
+        const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh));
+        p[r][0] = j ? _mm256_add_epi16(p[r][0], t0) : t0;
+        p[r][1] = j ? _mm256_add_epi16(p[r][1], t1) : t1;
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) S[r][h] = _mm256_madd_epi16(p[r][h], ones);
+#endif
+  } else {
+#if KVSERVE_VNNI_DOT
+    __m256i acc[A][R][2];
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i b = bcast4(x + r * K + 4 * j);
+        acc[j % A][r][0] = simd::dot4_u8s8(acc[j % A][r][0], w0, b);
+        acc[j % A][r][1] = simd::dot4_u8s8(acc[j % A][r][1], w1, b);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) S[r][h] = A > 1 ? _mm256_add_epi32(acc[0][r][h], acc[A - 1][r][h]) : acc[0][r][h];
+#else
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64)), flip);
+      const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32)), flip);
+      const __m256i a0 = _mm256_abs_epi8(q0), a1 = _mm256_abs_epi8(q1);  // <= 128: unsigned bytes
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i b = bcast4(x + r * K + 4 * j);  // |b| <= 127: negating it is safe
+        // pair sums <= 2·128·127 = 32512: exact in int16
+        S[r][0] = _mm256_add_epi32(S[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(b, q0)), ones));
+        S[r][1] = _mm256_add_epi32(S[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(b, q1)), ones));
+      }
+    }
+#endif
+  }
+}
+
+inline void store_row(float* y, __m256 v) { simd::store8(y, v); }
+inline void store_row(uint16_t* y, __m256 v) { simd::store8(y, v); }
+
+// R rows of x (quantized) against group g of segment w: y[r][col .. col + 16)
+template <int F, int R, typename Out>
+void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
+                  const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+  using Fmt = Format<F>;
+  const int64_t KB = K / kBlock;
+  const uint8_t* codes = w.codes + g * KB * Fmt::kBytes;
+  const int64_t scale_step = w.per_channel ? 0 : kGroup;
+  const uint16_t* scales = w.scales + g * (w.per_channel ? 1 : KB) * kGroup;
+  const uint16_t* mins = Fmt::kHasMin ? w.mins + g * KB * kGroup : nullptr;
+  constexpr int kFold = Fmt::kHasMin ? Fmt::kNatural : Fmt::kNatural - Fmt::kOffset;  // T = S + kFold·Σq
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b, codes += Fmt::kBytes, scales += scale_step) {
+    __m256i S[R][2];
+    block_sums<F, R>(codes, xq + b * kBlock, K, S);
+    const __m256 d[2] = {simd::load8_f16(scales), simd::load8_f16(scales + 8)};
+    __m256 m[2];
+    if constexpr (Fmt::kHasMin) {
+      m[0] = simd::load8_f16(mins + b * kGroup);
+      m[1] = simd::load8_f16(mins + b * kGroup + 8);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int32_t sx = xs[r * KB + b];
+      const __m256 dx = _mm256_set1_ps(xd[r * KB + b]);
+      for (int h = 0; h < 2; ++h) {
+        __m256i T = S[r][h];
+        if constexpr (kFold != 0) T = _mm256_add_epi32(T, _mm256_set1_epi32(kFold * sx));
+        __m256 t;
+        if constexpr (Fmt::kHasMin)
+          t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), d[h], _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(sx)), m[h]));
+        else
+          t = _mm256_mul_ps(_mm256_cvtepi32_ps(T), d[h]);
+        acc[r][h] = _mm256_fmadd_ps(t, dx, acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = acc[r][h];
+      if (bias) v = _mm256_add_ps(v, simd::load8(bias + col + 8 * h));
+      store_row(y + r * ldy + col + 8 * h, v);
+    }
+}
+
+// n (1..R) rows: column_group<F, n>
+template <int F, int R, typename Out>
+inline void tile(int64_t n, const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
+                 const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+  if constexpr (R > 1)
+    if (n < R) return tile<F, R - 1>(n, w, g, xq, xd, xs, K, bias, y, ldy, col);
+  column_group<F, R>(w, g, xq, xd, xs, K, bias, y, ldy, col);
+}
+
+template <int F, typename Out>
+void rows_of_group(int64_t rows, const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
+                   int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+  const int64_t KB = K / kBlock;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
+    tile<F, kTileRows>(std::min<int64_t>(kTileRows, rows - r0), w, g, xq + r0 * K, xd + r0 * KB, xs + r0 * KB, K, bias,
+                       y + r0 * ldy, ldy, col);
+}
+
+template <typename Out>
+void run_group(int64_t rows, const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
+               int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+  switch (w.format) {
+    case kFormatQ8: rows_of_group<kFormatQ8>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
+    case kFormatQ8Min: rows_of_group<kFormatQ8Min>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
+    case kFormatQ4: rows_of_group<kFormatQ4>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
+    default: rows_of_group<kFormatQ4Min>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
+  }
+}
+
+template <typename Out>
+void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, const int8_t* xq, const float* xd,
+             const int32_t* xs, const uint16_t* bias, Out* y) {
+  std::vector<int64_t> first_group{0};  // the flat index of each segment's first group
+  for (int64_t i = 0; i < num_segs; ++i) first_group.push_back(first_group.back() + segs[i].groups);
+  const int64_t groups = first_group.back(), KB = K / kBlock, N = groups * kGroup;
+#pragma omp parallel if (M * groups * KB >= kParallelMinWork)
+  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, M - r0);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t si = std::upper_bound(first_group.begin(), first_group.end(), g) - first_group.begin() - 1;
+      const int64_t gl = g - first_group[si];
+      run_group(rows, segs[si], gl, xq + r0 * K, xd + r0 * KB, xs + r0 * KB, K, bias, y + r0 * N, N, g * kGroup);
+    }
+  }
+}
+
+}  // namespace
+
+size_t quant_linear_scratch_bytes(int64_t M, int64_t K) {
+  const int64_t KB = K / kBlock;
+  return static_cast<size_t>(align64(M * K) + align64(M * KB * 4) + align64(M * KB * 4));
+}
+
+void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
+                  const uint16_t* bias, void* y, bool y_bf16, void* scratch) {
+  if (M <= 0) return;
+  const int64_t KB = K / kBlock;
+  int8_t* xq = static_cast<int8_t*>(scratch);
+  float* xd = reinterpret_cast<float*>(static_cast<char*>(scratch) + align64(M * K));
+  int32_t* xs = reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + align64(M * K) + align64(M * KB * 4));
+  // each block on its own: the split between threads cannot change a value
+  const int64_t blocks = M * KB;
+#pragma omp parallel for schedule(static) if (blocks >= 2048)
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t off = (i / KB) * K + (i % KB) * kBlock;
+    if (x_bf16) quantize_block(static_cast<const uint16_t*>(x) + off, xq + off, xd + i, xs + i);
+    else quantize_block(static_cast<const float*>(x) + off, xq + off, xd + i, xs + i);
+  }
+  if (y_bf16) run_all(M, K, segs, num_segs, xq, xd, xs, bias, static_cast<uint16_t*>(y));
+  else run_all(M, K, segs, num_segs, xq, xd, xs, bias, static_cast<float*>(y));
+}
+
+void quant_embedding(const int64_t* ids, int64_t T, const SegmentView* segs, int64_t num_segs, int64_t K, float* out) {
+  const int64_t KB = K / kBlock;
+#pragma omp parallel for schedule(static) if (T * K >= (1 << 16))
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t n = ids[t];
+    int64_t si = 0;
+    while (si + 1 < num_segs && n >= segs[si].groups * kGroup) n -= segs[si++].groups * kGroup;
+    const SegmentView& s = segs[si];
+    const int64_t g = n / kGroup, c = n % kGroup;
+    const int bits = format_bits(s.format);
+    const int64_t bytes = bits * kGroup * kBlock / 8;
+    const float offset = s.format == kFormatQ8 ? 128.f : s.format == kFormatQ4 ? 8.f : 0.f;
+    for (int64_t b = 0; b < KB; ++b) {
+      const uint8_t* codes = s.codes + (g * KB + b) * bytes;
+      const float d = simd::f16_to_f32(s.scales[(g * (s.per_channel ? 1 : KB) + (s.per_channel ? 0 : b)) * kGroup + c]);
+      const float m = s.mins ? simd::f16_to_f32(s.mins[(g * KB + b) * kGroup + c]) : -offset * d;
+      float* row = out + t * K + b * kBlock;
+      // d·c is exact in fp32 (an 11-bit fp16 mantissa times an 8-bit code): one rounding, as the reference
+      if (bits == 8) {
+        for (int k = 0; k < kBlock; ++k) row[k] = d * static_cast<float>(codes[(k / 4) * 64 + c * 4 + k % 4]) + m;
+      } else {
+        for (int k = 0; k < 16; ++k) {
+          const uint8_t byte = codes[(k / 4) * 64 + c * 4 + k % 4];
+          row[k] = d * static_cast<float>(byte & 0x0f) + m;
+          row[k + 16] = d * static_cast<float>(byte >> 4) + m;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace quant
+}  // namespace KVSERVE_LEVEL_NS
+}  // namespace kvserve
