@@ -71,7 +71,7 @@ def _load(level: str | None):
         return load(
             name=name,
             sources=[str(p) for p in build.sources],
-            extra_cflags=build.cflags,
+            extra_cflags=build.ninja_cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -58,9 +58,14 @@ class KernelBuild:
 
     @property
     def cflags(self) -> list[str]:
-        # the level's name as a C string: escaped, as ninja hands each command to the shell
+        """The compiler's arguments as a program receives them."""
         ns = self.level.replace("-", "_")
-        return [*_COMMON_FLAGS, *self.isa_flags, f'-DKVSERVE_LEVEL_NAME=\\"{self.level}\\"', f"-DKVSERVE_LEVEL_NS={ns}"]
+        return [*_COMMON_FLAGS, *self.isa_flags, f'-DKVSERVE_LEVEL_NAME="{self.level}"', f"-DKVSERVE_LEVEL_NS={ns}"]
+
+    @property
+    def ninja_cflags(self) -> list[str]:
+        """`cflags` as torch's build.ninja must hold them: ninja hands each command to the shell."""
+        return [f.replace('"', '\\"') for f in self.cflags]
 
     def module_name(self) -> str:
         """kvserve_cpu_ops_<level>_<hash>: the hash covers the sources' bytes, the flags and

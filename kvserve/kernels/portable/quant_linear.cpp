@@ -1,4 +1,4 @@
-// The quant_linear family at the portable levels: the torch layer over core/quant_linear.cpp
+// The quant_linear family at the portable levels: the torch layer over core/quant_linear_core.cpp
 // (the layout, the compute format and the row-invariance argument are described there). The
 // argument checks and messages are those of avx512_bf16/quant_linear.cpp.
 #include <ATen/core/Tensor.h>
