@@ -1,18 +1,18 @@
-// Everything the kernel sources export, declared once: to each other (the fused decode
-// step calls the same kernels Python does) and to bindings.cpp, which binds them all.
+// Everything a level's build exports, declared once: to the torch glue every build shares
+// (bindings.cpp binds it all, linear.cpp dispatches a Projection, fused_decode.cpp runs a
+// decode step's layers, cascade_attention.cpp a decode batch's shared-prefix plan,
+// checks.cpp holds shared argument checks) and to the family sources of each tree, which
+// implement it: avx512_bf16/<family>.cpp (levels avx512-bf16 and amx) and
+// portable/<family>.cpp over the torch-free core/ (levels avx2 and avx512-vnni). Families:
 //
-//   gemv.cpp               gemv_bf16, gemv_vnni: small-M GEMV (decode of 1..8 requests)
-//   amx_linear.cpp         amx_available, amx_pack_weight, amx_linear(_silu_mul, _argmax)
-//   decode_attention.cpp   paged_decode_attention (_lse: a range of positions, fp32 out + lse), set_amx_attention, amx_attention_on
-//   shared_prefix_attention.cpp  shared_prefix_attention, merge_attention_states: cascade decode attention
-//   cascade_attention.cpp  cascade_decode_attention: a decode batch's whole plan (suffixes, levels, merges)
-//   prefill_attention.cpp  paged_prefill_attention
-//   norm_rope_act.cpp      rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul
-//   argmax.cpp             argmax_rows
-//   quant_linear.cpp       quant_linear, quant_embedding: block-quantized weights (int8 dot products)
-//   linear.cpp             linear, linear_silu_mul: one Projection's dispatch by row count
-//   fused_decode.cpp       decode_layers: every decoder layer of a decode step in one call
-//   bindings.cpp           the Python module (kvserve/kernels/api.py declares it, typed)
+//   gemv                     gemv_bf16, gemv_vnni, gemm_vnni, amx_pack_weight: bf16 projections
+//   amx_linear               amx_available, amx_linear(_silu_mul, _argmax) (AMX tiles; refusals elsewhere)
+//   decode_attention         paged_decode_attention (_lse: a range of positions, fp32 out + lse), set_amx_attention, amx_attention_on
+//   shared_prefix_attention  shared_prefix_attention, merge_attention_states: cascade decode attention
+//   prefill_attention        paged_prefill_attention
+//   norm_rope_act            rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul
+//   argmax                   argmax_rows
+//   quant_linear             quant_linear, quant_embedding: block-quantized weights (int8 dot products)
 //
 // Each kernel streams or tiles with vectors of a fixed shape, so each refuses shapes off
 // its grid with a TORCH_CHECK. Those limits are named here, used by the checks, and exported

@@ -55,16 +55,6 @@ void check_heads(int64_t num_heads, int64_t num_kv_heads) {
 
 }  // namespace
 
-void check_int8_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const c10::optional<at::Tensor>& k_scale,
-                      const c10::optional<at::Tensor>& v_scale, const char* who) {
-  TORCH_CHECK(v_pool.scalar_type() == at::kChar && k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
-                  v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() && v_scale->is_contiguous(),
-              who, ": int8 pools need their contiguous float32 scales");
-  TORCH_CHECK(k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
-              who, ": one scale per (slot, KV head)");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), who, ": pools must be contiguous");
-}
-
 // q: [B, N_q, H]; pools: [num_blocks, block_size, N_kv, H]; block_tables: [B, max_blocks] int32;
 // context_lens: [B] int32 (S0 + 1, the new position's K/V already written). Returns [B, N_q, H].
 // int8 pools come with their scales k_scale / v_scale [num_blocks, block_size, N_kv] fp32.

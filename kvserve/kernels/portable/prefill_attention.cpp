@@ -10,22 +10,6 @@
 
 KVSERVE_KERNEL_FAMILY("prefill_attention");
 
-namespace {
-
-// check_int8_pools (kernels.h) as the decode family defines it, kept here so that this family
-// does not depend on another's build being there; the same checks and messages.
-void check_int8_pools_here(const at::Tensor& k_pool, const at::Tensor& v_pool, const c10::optional<at::Tensor>& k_scale,
-                           const c10::optional<at::Tensor>& v_scale, const char* who) {
-  TORCH_CHECK(v_pool.scalar_type() == at::kChar && k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
-                  v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() && v_scale->is_contiguous(),
-              who, ": int8 pools need their contiguous float32 scales");
-  TORCH_CHECK(k_scale->numel() * k_pool.size(3) == k_pool.numel() && v_scale->numel() * v_pool.size(3) == v_pool.numel(),
-              who, ": one scale per (slot, KV head)");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), who, ": pools must be contiguous");
-}
-
-}  // namespace
-
 // q, out: [T, N_q, D] bf16 (out written only at the segments' rows); pools [num_blocks,
 // block_size, N_kv, D] bf16, or int8 with their scales k_scale / v_scale [num_blocks,
 // block_size, N_kv] fp32; slots: int64, every segment's context slots back to back;
@@ -44,7 +28,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                   v_pool.scalar_type() == pool_type && out.scalar_type() == at::kBFloat16,
               "paged_prefill_attention: bf16 queries, bf16 or int8 pools");
   if (int8) {
-    check_int8_pools_here(k_pool, v_pool, k_scale, v_scale, "paged_prefill_attention");
+    check_int8_pools(k_pool, v_pool, k_scale, v_scale, "paged_prefill_attention");
   } else {
     TORCH_CHECK(!k_scale && !v_scale, "paged_prefill_attention: scales are for int8 pools only");
   }
