@@ -144,10 +144,25 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
                                                               c10::optional<at::Tensor> k_scale = c10::nullopt,
                                                               c10::optional<at::Tensor> v_scale = c10::nullopt);
 
-// int8 pools [num_blocks, block_size, N_kv, H] need their contiguous fp32 scales, one per (slot,
-// KV head), and contiguous pools; `who` names the kernel in the error.
+// ---- checks.cpp ---------------------------------------------------------------------------
+
+// The argument checks both family trees run before their kernels (the same messages at every
+// level). int8 pools [num_blocks, block_size, N_kv, H] need their contiguous fp32 scales, one
+// per (slot, KV head), and contiguous pools; `who` names the kernel in the error.
 void check_int8_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const c10::optional<at::Tensor>& k_scale,
                       const c10::optional<at::Tensor>& v_scale, const char* who);
+// shared_prefix_attention's arguments, its prefix blocks inside the pool included
+void check_shared_prefix_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                              const at::Tensor& prefix_blocks, int64_t prefix_len, const c10::optional<at::Tensor>& k_scale,
+                              const c10::optional<at::Tensor>& v_scale);
+// paged_prefill_attention's arguments (not the segments' ranges, which each tree reads as it goes)
+void check_prefill_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& slots,
+                        const at::Tensor& segments, double scale, const at::Tensor& out,
+                        const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
+// rope_and_cache_int8's pools, scales and index dtypes
+void check_rope_and_cache_int8_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                                    const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& k_scale,
+                                    const at::Tensor& v_scale, int64_t head_dim);
 
 // ---- shared_prefix_attention.cpp ----------------------------------------------------------
 

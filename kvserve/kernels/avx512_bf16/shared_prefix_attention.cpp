@@ -156,31 +156,13 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
                                                            at::Tensor prefix_blocks, int64_t prefix_len, double scale,
                                                            c10::optional<at::Tensor> k_scale,
                                                            c10::optional<at::Tensor> v_scale) {
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "shared_prefix_attention: shapes");
+  check_shared_prefix_args(q, k_pool, v_pool, prefix_blocks, prefix_len, k_scale, v_scale);
   const bool int8 = k_pool.scalar_type() == at::kChar;
-  if (int8)
-    check_int8_pools(k_pool, v_pool, k_scale, v_scale, "shared_prefix_attention");
-  else
-    TORCH_CHECK(!k_scale && !v_scale, "shared_prefix_attention: scales are for int8 pools only");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
-                  (int8 || (k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16)),
-              "shared_prefix_attention: bf16 queries and bf16 or int8 pools");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "shared_prefix_attention: pools must be contiguous");
-  TORCH_CHECK(prefix_blocks.scalar_type() == at::kInt && prefix_blocks.dim() == 1, "shared_prefix_attention: int32 [P] blocks");
   const int64_t n = q.size(0), num_heads = q.size(1), H = q.size(2);
   const int64_t block_size = k_pool.size(1), num_kv_heads = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == H && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "shared_prefix_attention: head counts");
-  TORCH_CHECK(H % kDecodeAttentionHeadDimMultipleBf16 == 0 && H <= kDecodeAttentionMaxHeadDim,
-              "shared_prefix_attention: head_dim must be a multiple of ", kDecodeAttentionHeadDimMultipleBf16,
-              ", at most ", kDecodeAttentionMaxHeadDim, ", got ", H);
-  TORCH_CHECK(0 <= prefix_len && prefix_len <= prefix_blocks.numel() * block_size,
-              "shared_prefix_attention: prefix_len ", prefix_len, " past its ", prefix_blocks.numel(), " blocks");
   q = q.contiguous();
   prefix_blocks = prefix_blocks.contiguous();
   const int32_t* blocks = prefix_blocks.data_ptr<int32_t>();
-  for (int64_t i = 0; i < (prefix_len + block_size - 1) / block_size; ++i)
-    TORCH_CHECK(0 <= blocks[i] && blocks[i] < k_pool.size(0), "shared_prefix_attention: block ", blocks[i], " outside the pool");
 
   auto out = at::empty({n, num_heads, H}, q.options().dtype(at::kFloat));
   auto lse = at::empty({n, num_heads}, q.options().dtype(at::kFloat));

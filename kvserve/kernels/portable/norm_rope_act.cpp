@@ -98,15 +98,7 @@ at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_t
 at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
                                at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale, at::Tensor v_scale,
                                at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && k_scale.is_contiguous() &&
-                  v_scale.is_contiguous(), "rope_and_cache_int8: contiguous");
-  TORCH_CHECK(k_pool.scalar_type() == at::kChar && v_pool.scalar_type() == at::kChar &&
-                  k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat,
-              "rope_and_cache_int8: int8 pools and float32 scales");
-  TORCH_CHECK(k_scale.numel() * head_dim == k_pool.numel() && v_scale.numel() * head_dim == v_pool.numel(),
-              "rope_and_cache_int8: one scale per (slot, KV head)");
-  TORCH_CHECK(head_dim % kRopeHeadDimMultiple == 0, "rope_and_cache_int8: head_dim % ", kRopeHeadDimMultiple, " == 0, got ", head_dim);
-  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "int64 positions/slots");
+  check_rope_and_cache_int8_args(qkv, positions, slot_mapping, k_pool, v_pool, k_scale, v_scale, head_dim);
   auto q = at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
   dispatch_f32_bf16(qkv.scalar_type(), "rope_and_cache_int8", [&](auto tag) {
     using E = decltype(tag);

@@ -21,24 +21,9 @@ KVSERVE_KERNEL_FAMILY("prefill_attention");
 void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
                              at::Tensor segments, double scale, at::Tensor out, c10::optional<at::Tensor> k_scale,
                              c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> shared) {
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && out.sizes() == q.sizes(), "paged_prefill_attention: shapes");
+  check_prefill_args(q, k_pool, v_pool, slots, segments, scale, out, k_scale, v_scale);
   const bool int8 = k_pool.scalar_type() == at::kChar;
-  const auto pool_type = int8 ? at::kChar : at::kBFloat16;
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == pool_type &&
-                  v_pool.scalar_type() == pool_type && out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: bf16 queries, bf16 or int8 pools");
-  if (int8) {
-    check_int8_pools(k_pool, v_pool, k_scale, v_scale, "paged_prefill_attention");
-  } else {
-    TORCH_CHECK(!k_scale && !v_scale, "paged_prefill_attention: scales are for int8 pools only");
-  }
-  TORCH_CHECK(slots.scalar_type() == at::kLong && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
-                  segments.size(1) == 4, "paged_prefill_attention: int64 slots and [n, 4] segments");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "contiguous pools and out");
   const int64_t D = q.size(2), num_heads = q.size(1), num_kv = k_pool.size(2);
-  TORCH_CHECK(D % kPrefillAttentionHeadDimMultiple == 0 && k_pool.size(3) == D && num_heads % num_kv == 0,
-              "paged_prefill_attention: head_dim % ", kPrefillAttentionHeadDimMultiple, " == 0, got ", D);
-  TORCH_CHECK(scale > 0, "paged_prefill_attention: scale > 0 (the row maximum is taken before scaling)");
   q = q.contiguous();
   slots = slots.contiguous();
   segments = segments.contiguous();
