@@ -97,9 +97,10 @@ _ZMM = re.compile(r"%zmm|%k[1-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
 
 
 # A build for a level above this CPU's cannot be loaded here and costs a minute to link;
-# its flags are checked on one family source compiled alone (the one that must use the
-# level's own instructions), which is what a machine of that level would run.
-_REPRESENTATIVE = {"portable": "core/quant_linear_core.cpp", "avx512_bf16": "avx512_bf16/amx_linear.cpp"}
+# its flags are checked on one family source compiled alone, one that must use the level's
+# own instructions (VPDPBUSD in quant_linear, VDPBF16PS in the bf16 GEMV, tiles in amx_linear).
+_REPRESENTATIVE = {"avx2": "core/quant_linear_core.cpp", "avx512-vnni": "core/quant_linear_core.cpp",
+                   "avx512-bf16": "avx512_bf16/gemv.cpp", "amx": "avx512_bf16/amx_linear.cpp"}
 
 
 def _objdump(path: str) -> list[str]:
@@ -108,9 +109,11 @@ def _objdump(path: str) -> list[str]:
     return [line for line in out.splitlines() if "\t" in line]
 
 
-def _instructions(level: str, tmp_path_factory) -> list[str]:
+def _instructions(level: str, tmp_path_factory, whole_build: bool | None = None) -> list[str]:
+    """`whole_build`: objdump the loaded module (default where this CPU runs the level), else
+    one family source compiled alone with the level's flags."""
     build = BUILDS[level]
-    if level in isa.runnable_levels():
+    if whole_build if whole_build is not None else level in isa.runnable_levels():
         module = cpu_ops(level)  # the tests load it anyway
         assert module is not None, f"the {level} build failed"
         lines = _objdump(module.__file__)
@@ -120,7 +123,7 @@ def _instructions(level: str, tmp_path_factory) -> list[str]:
 
     from torch.utils.cpp_extension import include_paths
 
-    source = HERE / _REPRESENTATIVE[build.tree]
+    source = HERE / _REPRESENTATIVE[level]
     obj = tmp_path_factory.mktemp(f"isa-{level}") / "family.o"
     includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
     cmd = ["c++", "-std=c++17", "-fPIC", *build.cflags, *includes, "-c", str(source), "-o", str(obj)]
@@ -147,6 +150,18 @@ def test_a_build_holds_no_instruction_above_its_level(level, tmp_path_factory):
     own = {"avx512-vnni": _VNNI, "avx512-bf16": _BF16, "amx": _AMX}.get(level)
     if own is not None:
         assert any(own.search(line) for line in lines), f"the {level} build uses none of its level's instructions"
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None or shutil.which("c++") is None, reason="no objdump or compiler")
+@pytest.mark.parametrize("level", [lv for lv in BUILDS if lv in isa.runnable_levels()])
+def test_the_single_source_check_that_other_cpus_run_holds_here_too(level, tmp_path_factory):
+    # the test above reads the whole build where the CPU runs the level, one source where it
+    # does not: this runs the one-source form on the levels this CPU runs, so a machine of
+    # a lower level does not meet it untried
+    lines = _instructions(level, tmp_path_factory, whole_build=False)
+    own = {"avx512-vnni": _VNNI, "avx512-bf16": _BF16, "amx": _AMX}.get(level)
+    assert own is None or any(own.search(line) for line in lines)
+    assert level != "avx2" or not any(_EVEX.search(line) for line in lines)
 
 
 def test_each_build_reports_its_level_and_families():
