@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.engine.gc_policy import freeze_after_startup, thaw
 from kvserve.engine_args import engine_config_from_args
 from kvserve.errors import ConfigError
 
@@ -107,6 +108,7 @@ def _engine(args: argparse.Namespace):
     llm = LLM.from_config(engine_config_from_args(args))
     _OPEN_ENGINES.append(llm.engine)
     print(llm.engine.describe(), file=sys.stderr)
+    freeze_after_startup()  # as a server does: collections stop walking the engine's objects
     return llm
 
 
@@ -115,6 +117,7 @@ def close_engines() -> None:
     left, so a later engine in the same process can form its own."""
     while _OPEN_ENGINES:
         _OPEN_ENGINES.pop().close()
+    thaw()  # what _engine froze can be collected again (tests run commands in one process)
 
 
 # ---- commands ----------------------------------------------------------------------------

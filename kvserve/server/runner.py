@@ -25,6 +25,7 @@ import uvicorn
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.gc_policy import freeze_after_startup
 from kvserve.server.api import build_app
 from kvserve.server.config import ServerConfig
 from kvserve.server.context import ServingContext
@@ -36,6 +37,7 @@ EXIT_ENGINE_DEAD = 1
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
     engine = AsyncLLMEngine(engine_config)
+    freeze_after_startup()
     ctx: ServingContext | None = None
     try:
         _say(engine.engine.describe())

@@ -22,6 +22,7 @@ from typing import Callable
 from kvserve.config import EngineConfig
 from kvserve.engine.allocator import release_free_memory
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.gc_policy import freeze_after_startup, thaw
 from kvserve.server.context import ServingContext
 
 CRASH_LOOP_S = 60.0
@@ -55,10 +56,12 @@ class EngineSupervisor:
         try:
             old.shutdown(0.0)  # its thread has ended; this joins it and fails what is left
             old.engine.release()
+            thaw()  # the old engine's objects were frozen at start-up
             gc.collect()
             release_free_memory()
             start = time.perf_counter()
             new = AsyncLLMEngine(self.engine_config)
+            freeze_after_startup()
         except BaseException as exc:  # cannot come back: exit 1 as without restarting
             _say(f"the engine could not be restarted ({exc!r}); shutting down")
             self.failed = exc
