@@ -24,10 +24,11 @@ def register(subparsers) -> None:
 
 
 def _llm(args: argparse.Namespace):
+    from kvserve.engine.describe import describe
     from kvserve.engine.llm import LLM
 
     llm = LLM.from_config(engine_config_from_args(args))
-    print(llm.engine.describe(), file=sys.stderr)
+    print(describe(llm.engine), file=sys.stderr)
     return llm
 
 

@@ -137,7 +137,7 @@ class EngineConfig:
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; bfloat16; int8 (scales per position and KV head)
     # auto: decode requests whose block tables start with the same cached blocks read that
-    # shared prefix once per group where the rule says so (kvserve/attention/cascade.py); off: never
+    # shared prefix once per group where the rule says so (kvserve/attention/shared_prefix_plan.py); off: never
     shared_prefix_attention: str = "auto"
     # the rule's thresholds: a shared level shorter than this many positions, or shared by
     # fewer requests, is read per request. Measured on AMD Zen 4 (2 cores, the default model,
@@ -153,7 +153,7 @@ class EngineConfig:
     # kernel (one KV order, one softmax accumulation), every projection on a kernel whose sums
     # have one order for every row count, shared-prefix attention off (docs/deterministic.md)
     deterministic: bool = False
-    # a JSONL file to append every step's shape and duration to (kvserve/sim/step_log.py), for
+    # a JSONL file to append every step's shape and duration to (kvserve/engine/step_log.py), for
     # fitting the simulator's step model from real serving; None: not recorded
     step_log: str | None = None
 

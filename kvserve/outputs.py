@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvserve.engine.request import RequestTiming
+from kvserve.request_state import RequestTiming
 
 
 @dataclasses.dataclass

@@ -3,6 +3,8 @@
 The flat token batch is ordered decodes first (one new position each), then prefill segments
 (a whole prompt, or a chunk over cached history). For every request, `S0` positions are
 already cached and `m` are new; the new K/V go to `slot_mapping` before anything attends.
+Decode rows that share a cached prefix carry the step's shared-prefix plan in the form
+their attention path reads (`SharedPrefixTensors`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 
 import torch
 
-from kvserve.attention.cascade import CascadePlan, prefill_positions_read_once
+from kvserve.attention.shared_prefix_plan import SharedPrefixPlan, kv_positions_read
 
 
 @dataclasses.dataclass
@@ -48,13 +50,14 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32, S0 + 1
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, for in-place kernels
     prefills: list[PrefillSegment]
-    # decode rows grouped by shared prefix blocks (attention/cascade.py), when the engine's
-    # --shared-prefix-attention and its rule say so; None: every row reads its history alone
-    cascade: CascadePlan | None = None
+    # decode rows grouped by shared prefix blocks (attention/shared_prefix_plan.py), when the
+    # engine's --shared-prefix-attention and its rule say so, built only where this step's
+    # attention runs it; None: every row reads its history alone
+    shared_prefix: SharedPrefixTensors | None = None
     # positions (all layers' K and V, c_kv each) this step's attention reads scanning every
     # request's history alone: Σ decode context lengths + Σ prefill segments' S0 + m
     kv_positions_read: int = 0
-    # prefill segments over a shared cached prefix (attention/cascade.py
+    # prefill segments over a shared cached prefix (attention/shared_prefix_plan.py
     # find_shared_prefill_prefixes): per segment (leader, shared_len), the leader's positions
     # [0, shared_len) read once for all its members; None: every segment reads its own
     prefill_sharing: list[tuple[int, int]] | None = None
@@ -68,13 +71,9 @@ class AttentionMetadata:
 
     def kv_positions_read_with_sharing(self) -> int:
         """What the step actually read: prompt chunks over a shared cached prefix read it once
-        per group; with a decode plan the attention path applied, each shared level once per
-        group and the suffixes; otherwise the same as `kv_positions_read`."""
-        read = self.kv_positions_read - prefill_positions_read_once(self.prefill_sharing)
-        plan = self.cascade
-        if plan is None or not plan.applied:
-            return read
-        return read - plan.positions_read_per_request() + plan.positions_read_once()
+        per group; with a decode plan, each shared level once per group and the suffixes."""
+        plan = self.shared_prefix.plan if self.shared_prefix is not None else None
+        return kv_positions_read(self.kv_positions_read, plan, self.prefill_sharing)
 
     def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the prefill kernel reads (`ops.paged_prefill_attention`): every segment's
@@ -125,6 +124,58 @@ class AttentionMetadata:
             close_run()
             self._groups = (groups, alone)
         return self._groups
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefixTensors:
+    """A step's shared-prefix plan with the tensors its decode attention reads, built once per
+    step for all layers: for the CPU kernels, their plan (`for_kernels`, run in the fused
+    decode step or layer by layer); for the reference path, every level's slots and members
+    and the suffixes' slots and mask (`for_reference`)."""
+
+    plan: SharedPrefixPlan
+    kernel_plan: object | None = None  # ops.DecodeCascade: the suffixes' first positions, each level's members and blocks
+    level_slots: tuple[torch.Tensor, ...] = ()  # per level: [end - start] long, its KV slots in order
+    level_members: tuple[torch.Tensor, ...] = ()  # per level: [len(members)] long, its decode rows
+    suffix_slots: torch.Tensor | None = None  # [B, max_suffix] long, padded with slot 0
+    suffix_mask: torch.Tensor | None = None  # [B, 1, 1, max_suffix] bool (True = visible)
+
+    @property
+    def on_kernels(self) -> bool:
+        return self.kernel_plan is not None
+
+    @classmethod
+    def for_kernels(cls, plan: SharedPrefixPlan, ops, device: torch.device) -> "SharedPrefixTensors":
+        """The plan as ops.cascade_decode_attention reads it (ops.DecodeCascade)."""
+        levels = [
+            ops.CascadeLevel(members=torch.tensor(lv.members, dtype=torch.long, device=device),
+                             blocks=torch.tensor(lv.block_ids, dtype=torch.int32, device=device), num_positions=lv.num_positions)
+            for lv in plan.levels
+        ]  # fmt: skip
+        suffix_start = torch.tensor(plan.suffix_start, dtype=torch.int32, device=device)
+        return cls(plan, kernel_plan=ops.DecodeCascade(suffix_start=suffix_start, levels=levels))
+
+    @classmethod
+    def for_reference(cls, plan: SharedPrefixPlan, block_tables: list[list[int]], device: torch.device) -> "SharedPrefixTensors":
+        """Every level's slots and members, and the suffixes batched: their slots and visibility."""
+        bs = plan.block_size
+        offsets = torch.arange(bs)
+        level_slots = tuple(
+            (torch.tensor(level.block_ids, dtype=torch.long).unsqueeze(1) * bs + offsets).reshape(-1).to(device)
+            for level in plan.levels
+        )
+        level_members = tuple(torch.tensor(level.members, dtype=torch.long, device=device) for level in plan.levels)
+        lengths = [n - s for n, s in zip(plan.context_lens, plan.suffix_start)]
+        width = max(lengths)  # >= 1: the new position is always its request's own
+        rows = []
+        for table, start, n in zip(block_tables, plan.suffix_start, plan.context_lens):
+            slots = context_slots(table, n, bs)[start:]
+            rows.append(torch.cat([slots, slots.new_zeros(width - len(slots))]))
+        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        return cls(
+            plan, level_slots=level_slots, level_members=level_members, suffix_slots=torch.stack(rows).to(device),
+            suffix_mask=mask.view(len(rows), 1, 1, width).to(device),
+        )
 
 
 def context_slots(block_table: list[int], num_positions: int, block_size: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`kvserve bench latency | throughput | serve | quality | make-model | structured`: the flags.
+"""`kvserve bench latency | throughput | serve | quality | structured`: the flags.
 
 Each command prints a table, and writes its figures with the machine they ran on to
 `--json FILE`, and where a picture helps, a PNG to `--plot FILE`. The commands
@@ -90,8 +90,6 @@ def register(subparsers) -> None:
     _add_outputs(srv, plot=True)
     srv.set_defaults(func=_command("serve"))
 
-    _register_make_model(sub)
-
     from kvserve.bench.structured import register as _register_structured  # its flags beside its body
 
     _register_structured(sub)
@@ -99,29 +97,6 @@ def register(subparsers) -> None:
     from kvserve.bench.sim_vs_real import register as _register_sim_vs_real
 
     _register_sim_vs_real(sub)
-
-
-def _register_make_model(sub) -> None:
-    from kvserve.bench.random_model import FORMATS, SHAPES
-
-    mk = sub.add_parser("make-model", help="write a random-weight model of a real shape (GGUF or HF) for benchmarks",
-                        description="Random weights (std 0.02), real shapes, the default model's tokenizer; "
-                        "quantized formats are written as random blocks. See kvserve/bench/random_model.py.")
-    mk.add_argument("--shape", choices=list(SHAPES), required=True, help="model shape")
-    mk.add_argument("--format", choices=list(FORMATS), required=True,
-                    help="hf-bf16: an HF directory; the rest a GGUF (q4_k_m: llama.cpp's mix of Q4_K and Q6_K)")
-    mk.add_argument("--out", required=True, help="the .gguf file, or the directory for hf-bf16")
-    mk.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
-    mk.add_argument("--no-verify", action="store_true", help="skip reading the GGUF back and checking sampled tensors")
-    mk.add_argument("--forward-check", action="store_true",
-                    help="also run one token through every layer in numpy and check it stays finite")
-
-    def run(args: argparse.Namespace) -> int:
-        from kvserve.bench import random_model
-
-        return random_model.run(args)
-
-    mk.set_defaults(func=run)
 
 
 def _add_workload(p: argparse.ArgumentParser, num_prompts: int) -> None:

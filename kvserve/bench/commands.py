@@ -72,13 +72,13 @@ def _check_workload(args: argparse.Namespace) -> None:
 def _before_run(args: argparse.Namespace):
     """(how busy the CPUs were before, a meter of other processes' CPU time during the run).
     Only a JSON records them, so only then is the half second spent."""
-    from kvserve.bench.machine import ContentionMeter, contention_before_run
+    from kvserve.loadgen.machine import ContentionMeter, contention_before_run
 
     return (contention_before_run() if args.json else None), ContentionMeter()
 
 
 def _write_outputs(args: argparse.Namespace, benchmark: str, results: dict[str, Any], plot_fn, contention) -> None:
-    from kvserve.bench.machine import envelope
+    from kvserve.loadgen.machine import envelope
 
     before, meter = contention
     during = meter.read()
@@ -103,11 +103,12 @@ _OPEN_ENGINES: list = []  # engines the running command built: closed when it re
 
 
 def _engine(args: argparse.Namespace):
+    from kvserve.engine.describe import describe
     from kvserve.engine.llm import LLM
 
     llm = LLM.from_config(engine_config_from_args(args))
     _OPEN_ENGINES.append(llm.engine)
-    print(llm.engine.describe(), file=sys.stderr)
+    print(describe(llm.engine), file=sys.stderr)
     freeze_after_startup()  # as a server does: collections stop walking the engine's objects
     return llm
 
@@ -262,7 +263,7 @@ def throughput(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from kvserve.bench import plot, report
     from kvserve.bench.serve import ServeSettings, run_serve
-    from kvserve.bench.stats import SLO
+    from kvserve.loadgen.stats import SLO
 
     _check_workload(args)
     rates = _rates(args.request_rate)
@@ -296,6 +297,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def quality(args: argparse.Namespace) -> int:
     from kvserve.bench.quality import QualitySettings, print_quality, run_quality
+    from kvserve.engine.describe import describe
     from kvserve.engine.engine import LLMEngine
 
     # both configurations are checked before anything loads: a bad combination of flags is a
@@ -312,7 +314,7 @@ def quality(args: argparse.Namespace) -> int:
 
     def build(config, role: str) -> LLMEngine:
         engine = LLMEngine(config)
-        print(f"{role}: {engine.describe()}", file=sys.stderr)
+        print(f"{role}: {describe(engine)}", file=sys.stderr)
         return engine
 
     contention = _before_run(args)

@@ -272,7 +272,7 @@ def run_quality(ref_config, cand_config, settings: QualitySettings, engine_facto
         raise ConfigError("--text", f"{text_source} has {len(all_tokens)} tokens; at least 2 are needed")
     num_positions = min(settings.ppl_tokens, len(all_tokens) - 1)
     tokens = all_tokens[: num_positions + 1]
-    check_fits(engine, settings, [len(engine.tokenize_prompt(p)) for p in prompts])
+    check_fits(engine, settings, [len(engine.inputs.tokenize_prompt(p)) for p in prompts])
     vocab = engine.arch.vocab_size
     notes = []
     if num_positions < settings.ppl_tokens:

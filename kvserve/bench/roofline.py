@@ -6,7 +6,8 @@ contexts). Prefill is matrix work, so its floor is FLOPs ÷ the measured GEMM ra
 Both machine figures come from `kvserve.planner.calibrate` (best-of timings).
 
 Costs are counted from the architecture, not from the engine's modules, so they do not
-move when the engine fuses or reorders its weights.
+move when the engine fuses or reorders its weights, and with the planner's formulas
+(planner/roofline.py, latency.py, attention.py), the one cost model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvserve.model.arch import ModelArchitecture
+from kvserve.planner import attention, latency, roofline
 from kvserve.planner.calibrate import measure_bf16_flops_per_s, measure_read_bytes_per_s
 
 
@@ -67,15 +69,15 @@ def decode_bytes_per_step(
     included), instead of the parameter count times `weight_bytes`."""
     if weights_read is None:
         weights_read = (layer_params(arch) + arch.hidden_size + arch.vocab_size * arch.hidden_size) * weight_bytes
-    return weights_read + arch.kv_bytes_per_position(kv_bytes, kv_scale_bytes) * context_len
+    return roofline.step_read_bytes(weights_read, arch.kv_bytes_per_position(kv_bytes, kv_scale_bytes) * context_len, 1)
 
 
 def prefill_flops(arch: ModelArchitecture, num_tokens: int) -> dict[str, float]:
-    """FLOPs one prefill of `num_tokens` (no cached prefix) needs: 2 per weight per token
-    in the layers, causal attention (QKᵀ and PV over the lower triangle), and the LM head
-    for the one position that samples."""
-    linear = 2.0 * layer_params(arch) * num_tokens
-    causal_pairs = num_tokens * (num_tokens + 1) / 2
-    attention = 2 * 2.0 * arch.num_layers * arch.num_heads * arch.head_dim * causal_pairs
-    lm_head = 2.0 * arch.vocab_size * arch.hidden_size
-    return {"linear": linear, "attention": attention, "lm_head": lm_head, "total": linear + attention + lm_head}
+    """FLOPs one whole prefill of `num_tokens` (no cached prefix) needs, by part: the decoder
+    layers' projections (the planner's 2·P·S over the layers' P), causal attention (QKᵀ and
+    PV over the lower triangle), and the LM head for the one position that samples. The
+    planner's `prefill_projection_flops` over all of P is what `plan run` reports instead."""
+    linear = float(latency.prefill_projection_flops(layer_params(arch), num_tokens))
+    attn = float(attention.attention_flops(0, num_tokens, arch.head_dim, arch.num_layers, arch.num_heads))
+    lm_head = float(latency.prefill_projection_flops(arch.vocab_size * arch.hidden_size, 1))
+    return {"linear": linear, "attention": attn, "lm_head": lm_head, "total": linear + attn + lm_head}

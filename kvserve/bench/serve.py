@@ -10,11 +10,48 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
 
 from kvserve.bench.errors import BenchError
-from kvserve.bench.serve_load import api_base, discover_model, load_metrics, run_at_rate, text_prompt
-from kvserve.bench.stats import SLO
 from kvserve.bench.workload import build_workload
+from kvserve.loadgen.load import auth_headers, load_metrics, run_at_rate
+from kvserve.loadgen.stats import SLO
+
+_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+          "number group problem fact river stone light music garden window paper city story water table").split()
+
+
+def api_base(url: str) -> str:
+    """http://host:port, http://host:port/ or http://host:port/v1 → http://host:port/v1"""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise BenchError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+    base = url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def discover_model(base: str, timeout_s: float, api_key: str | None = None) -> str:
+    """The first model the server lists at /v1/models."""
+    try:
+        response = httpx.get(base + "/models", timeout=timeout_s, headers=auth_headers(api_key))
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise BenchError(f"cannot list models at {base}/models ({type(exc).__name__}: {exc}); is the server up? "
+                         "or name the model with --model-name") from None
+    if not models:
+        raise BenchError(f"{base}/models lists no model; name one with --model-name")
+    return str(models[0]["id"])
+
+
+def text_prompt(num_words: int, seed: int) -> str:
+    """Random common words: about one token each in most BPE vocabularies (usage gives the exact count)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(_WORDS, size=num_words).tolist())
 
 
 @dataclasses.dataclass

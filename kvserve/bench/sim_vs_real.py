@@ -45,11 +45,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.bench.arrivals import interarrival_gaps_s, send_times_s
 from kvserve.bench.errors import BenchError
-from kvserve.bench.serve_load import load_metrics, run_at_rate
-from kvserve.bench.stats import SLO
 from kvserve.bench.workload import build_workload
+from kvserve.loadgen.arrivals import interarrival_gaps_s, send_times_s
+from kvserve.loadgen.load import load_metrics, run_at_rate
+from kvserve.loadgen.stats import SLO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,7 @@ def run(args) -> int:
 
     if args.num_prompts < 1:
         raise BenchError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    from kvserve.bench.machine import contention_before_run
+    from kvserve.loadgen.machine import contention_before_run
 
     for flag in ("input_len", "output_len"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -248,7 +248,7 @@ def run(args) -> int:
             stop_server(proc)
     _render(results, model, console)
     if args.json:
-        from kvserve.bench.machine import envelope
+        from kvserve.loadgen.machine import envelope
 
         step_model = {k: v for k, v in model.as_dict().items() if k != "meta"}
         step_model["meta"] = {k: v for k, v in model.meta.items() if k != "samples"}  # the samples stay in the model file

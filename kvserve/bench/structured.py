@@ -19,6 +19,89 @@ import statistics
 import time
 from typing import Any
 
+# the schemas compiled, and a valid document of each that the mask figures walk (also what
+# benchmarks/structured_choice.py compared llguidance and xgrammar on)
+SCHEMAS: dict[str, dict | None] = {
+    "simple object": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "nested arrays+enums": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}},
+            "owner": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0},
+                    "roles": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                },
+                "required": ["id", "roles"],
+                "additionalProperties": False,
+            },
+            "score": {"type": "number"},
+        },
+        "required": ["title", "tags", "owner", "score"],
+        "additionalProperties": False,
+    },
+    "tool call": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": ["get_weather", "search_web", "send_email"]},
+            "arguments": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "city": {"type": "string"},
+                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                        },
+                        "required": ["city"],
+                        "additionalProperties": False,
+                    },
+                    {
+                        "type": "object",
+                        "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}},
+                        "required": ["query"],
+                        "additionalProperties": False,
+                    },
+                    {
+                        "type": "object",
+                        "properties": {
+                            "to": {"type": "string"},
+                            "subject": {"type": "string"},
+                            "body": {"type": "string"},
+                        },
+                        "required": ["to", "subject", "body"],
+                        "additionalProperties": False,
+                    },
+                ]
+            },
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    },
+    "json_object": None,  # any JSON object
+}
+
+DOCUMENTS = {
+    "simple object": {"name": "Ada Lovelace", "age": 36},
+    "nested arrays+enums": {
+        "title": "A report on the state of the engine",
+        "tags": ["red", "blue", "green"],
+        "owner": {"id": 42, "roles": ["admin", "writer"]},
+        "score": 0.75,
+    },
+    "tool call": {
+        "name": "send_email",
+        "arguments": {"to": "bob@example.com", "subject": "Lunch", "body": "Are we still on for noon tomorrow?"},
+    },
+    "json_object": {"answer": "Paris", "confidence": 0.9, "sources": ["atlas", "encyclopedia"], "ok": True},
+}
+
 
 def register(sub) -> None:
     from kvserve.engine_args import add_engine_args
@@ -36,7 +119,6 @@ def _median_us(values: list[float]) -> float:
 
 
 def measure_compile(tokenizer, vocab_size: int) -> dict[str, Any]:
-    from kvserve.bench.structured_choice import SCHEMAS
     from kvserve.structured.backend import StructuredBackend
     from kvserve.structured.params import StructuredOutputsParams
 
@@ -58,7 +140,6 @@ def measure_compile(tokenizer, vocab_size: int) -> dict[str, Any]:
 def measure_masks(backend, hf_tokenizer, vocab_size: int, batch: int, steps: int) -> dict[str, float]:
     import torch
 
-    from kvserve.bench.structured_choice import DOCUMENTS, SCHEMAS
     from kvserve.structured.mask import bitmask_to_bias, fill_bitmasks
     from kvserve.structured.params import StructuredOutputsParams
 

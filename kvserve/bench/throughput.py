@@ -21,8 +21,8 @@ from typing import Any
 
 from kvserve.bench.attention_time import decode_attention_profile
 from kvserve.bench.hf_peer import peak_rss_mib
-from kvserve.bench.stats import summarize
 from kvserve.bench.workload import Workload, build_workload
+from kvserve.loadgen.stats import summarize
 from kvserve.sampling_params import SamplingParams
 
 WARMUP_REQUESTS = 2

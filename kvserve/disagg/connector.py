@@ -8,7 +8,11 @@ Two halves, in the shape of vLLM's KV connector v1 (written anew):
   and whether a finished request's blocks must outlive it (`request_finished`);
 - the worker half moves the bytes between the KV pools and the transport: `start_load_kv`
   and `wait_for_layer_load` on the receiving side, `save_kv_layer` and `wait_for_save` on
-  the sending side.
+  the sending side;
+- the engine step's part: `start_step` before the forward pass (the handoffs its prefill
+  requests complete open, and `save_layer`, the model's layer hook, sends each layer as it is
+  done), `end_step` after the update (finished prefill requests' handoffs complete with their
+  first token), and `handoff_result`, what a finished request of a handoff reports.
 
 A prefill request (`do_remote_decode`) runs to its first token. In the forward pass that
 completes its prompt, each layer's K/V are saved as soon as that layer is done, and a
@@ -31,12 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import torch
 
 from kvserve.disagg.handoff import KVHandoff
-from kvserve.disagg.transport import BlockSink, KVTransferError, KVTransport, check_transfer_id
-from kvserve.engine.sampler import skip_draw
+from kvserve.disagg.transport import BlockSink, KVTransferError, KVTransport, SharedMemoryTransport, check_transfer_id
 from kvserve.errors import InvalidRequestError
 
 FAILURE_POLICIES = ("recompute", "fail")
@@ -85,19 +89,35 @@ class KVTransferParams:
         return self.do_remote_prefill and not self.loaded and self.error is None
 
 
+def open_transport(config) -> KVTransport:
+    """How this instance's handoffs travel (`config.kv_transport`): /dev/shm files, or
+    torch.distributed point to point (a decode instance listens, at kv_transfer_listen or any
+    free loopback port)."""
+    if config.kv_transport == "torch":
+        from kvserve.disagg.torch_transport import TorchDistributedTransport
+
+        listen = config.kv_transfer_listen
+        if listen is None and config.kv_role != "prefill":
+            listen = "127.0.0.1:0"
+        return TorchDistributedTransport(listen)
+    return SharedMemoryTransport()
+
+
 class KVConnector:
     def __init__(self, transport: KVTransport, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None, block_size: int,
-                 failure: str = "recompute", timeout_s: float = 60.0, vocab_size: int = 0):  # fmt: skip
+                 skip_draw: Callable, failure: str = "recompute", timeout_s: float = 60.0):  # fmt: skip
         if failure not in FAILURE_POLICIES:
             raise ValueError(f"failure must be one of {FAILURE_POLICIES}, got {failure!r}")
         self.transport = transport
         self.kv_pool = kv_pool  # [2, L, blocks, block_size, N_kv, H]
         self.kv_scales = kv_scales  # [2, L, blocks, block_size, N_kv] fp32, int8 pools only
         self.block_size = block_size
+        # skip_draw(request): its generator moves past the first token's draw, made on the prefill side (the engine's sampler)
+        self.skip_draw = skip_draw
         self.failure = failure
         self.timeout_s = timeout_s
-        self.vocab_size = vocab_size  # the width of a sampling draw (sampler.skip_draw)
         self._saving: dict[str, dict] = {}  # prefill requests being sent: request id -> buffer, send
+        self._streaming: list = []  # prefill requests whose layers this step's forward pass sends (`save_layer`)
         self._loading: dict[str, BlockSink] = {}  # decode requests with blocks, waiting: request id -> where their KV goes
         # handoffs the router says will not come (their prefill failed), kept until a request takes them:
         # transfer id -> (why, since, whether to compute the prompt here whatever the policy)
@@ -147,7 +167,7 @@ class KVConnector:
             return True
         t.arrived = handoff
         t.loaded, t.into_blocks = True, handoff.in_blocks
-        skip_draw(request, self.vocab_size)  # the first token was drawn on the prefill side
+        self.skip_draw(request)  # the first token was drawn on the prefill side
         self.request_released(request)
         self.received += 1
         self.bytes_received += handoff.nbytes
@@ -206,6 +226,47 @@ class KVConnector:
             self.start_save(request, block_ids)
         t.sent_bytes = self.wait_for_save(request)
         return False
+
+    # ---- the engine step's part --------------------------------------------------------
+
+    def start_step(self, plan) -> None:
+        """Prefill requests whose prompt this step (a SchedulerOutput) completes: their handoffs
+        open now, and each layer's K/V go out as soon as the layer has run (`save_layer`),
+        overlapping the send with the rest of the forward pass."""
+        self._streaming = []
+        for s in plan.scheduled:
+            r, t = s.request, s.request.kv_transfer
+            if s.samples and t is not None and t.do_remote_decode and not r.output_token_ids:
+                self.start_save(r, plan.block_tables[r.request_id])
+                self._streaming.append(r)
+
+    def save_layer(self, layer: int) -> None:
+        """The model's layer hook: layer `layer` of this step is computed."""
+        for r in self._streaming:
+            self.save_kv_layer(layer, r)
+
+    def end_step(self, plan, finished: list) -> None:
+        """After the step's update: its finished prefill requests' KV goes to the decode side
+        with their first token; a send the step opened for a request it did not finish (a
+        prefill request always ends at its first token) is cancelled."""
+        for r in finished:
+            if r.kv_transfer is not None and r.kv_transfer.do_remote_decode and r.finish_reason != "abort":
+                self.request_finished(r, plan.block_tables[r.request_id])
+        for r in self._streaming:
+            if not r.is_finished:
+                self.cancel_save(r)
+        self._streaming = []
+
+    def handoff_result(self, request) -> dict:
+        """What a finished request of a handoff reports: for the prefill side, what the
+        decode side is to be given; for the decode side, how its KV came."""
+        t = request.kv_transfer
+        if t.do_remote_decode:
+            return {"do_remote_prefill": True, "transfer_id": t.transfer_id, "num_positions": request.num_prompt_tokens,
+                    "bytes": t.sent_bytes, "seconds": t.send_seconds, "seconds_after_first_token": t.finish_wait_seconds,
+                    "transport": self.transport.name, "error": t.error}  # fmt: skip
+        return {"transfer_id": t.transfer_id, "loaded": t.loaded, "into_blocks": t.into_blocks, "recomputed": t.recomputed,
+                "error": t.error}  # fmt: skip
 
     # ---- the worker half ---------------------------------------------------------------
 

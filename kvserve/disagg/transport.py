@@ -4,8 +4,7 @@
   under /dev/shm (written under a temporary name, then renamed, so a reader never sees half
   of one); the receiver polls for it, reads it and removes it. The write is the
   acknowledgement: once `send` returns, the prefill side may free its blocks.
-- `FaultyTransport`: wraps another and fails or stalls on demand, for the fault tests (in a
-  server process, KVSERVE_TEST_KV_STALL_S stalls every arriving handoff).
+- `TorchDistributedTransport` (torch_transport.py): between hosts, layer by layer.
 
 A decode request's blocks are allocated before its handoff arrives: `expect` gives the
 transport a `BlockSink` for them, so one that receives layer by layer writes straight into
@@ -26,8 +25,6 @@ from kvserve.disagg.handoff import KVHandoff
 from kvserve.errors import InvalidRequestError
 
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-# seconds every arriving handoff is held back, in a whole server process (FaultyTransport's stall)
-KV_STALL_ENV = "KVSERVE_TEST_KV_STALL_S"
 
 
 class KVTransferError(RuntimeError):
@@ -170,45 +167,3 @@ class SharedMemoryTransport(KVTransport):
             except FileNotFoundError:  # taken meanwhile
                 pass
         return removed
-
-
-class FaultyTransport(KVTransport):
-    """`fail_send` / `fail_receive`: raise KVTransferError; `stall_s`: a handoff becomes
-    visible to `poll` only this long after it was sent (a slow or hung link)."""
-
-    def __init__(self, inner: KVTransport, fail_send: bool = False, fail_receive: bool = False, stall_s: float = 0.0):
-        self.inner, self.fail_send, self.fail_receive, self.stall_s = inner, fail_send, fail_receive, stall_s
-        self.name = f"faulty({inner.name})"
-        self._first_poll: dict[str, float] = {}
-
-    @property
-    def address(self) -> str | None:
-        return self.inner.address
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def send(self, transfer_id: str, handoff: KVHandoff, address: str | None = None) -> None:
-        if self.fail_send:
-            raise KVTransferError(f"handoff {transfer_id}: the test transport failed the send")
-        self.inner.send(transfer_id, handoff, address)
-
-    def poll(self, transfer_id: str) -> KVHandoff | None:
-        if self.fail_receive:
-            raise KVTransferError(f"handoff {transfer_id}: the test transport failed the receive")
-        first = self._first_poll.setdefault(transfer_id, time.monotonic())
-        if time.monotonic() - first < self.stall_s:
-            return None
-        return self.inner.poll(transfer_id)
-
-    def discard(self, transfer_id: str) -> None:
-        self.inner.discard(transfer_id)
-
-    def sweep(self, older_than_s: float) -> int:
-        return self.inner.sweep(older_than_s)
-
-    def expect(self, transfer_id: str, sink: BlockSink) -> None:
-        self.inner.expect(transfer_id, sink)
-
-    def unexpect(self, transfer_id: str) -> None:
-        self.inner.unexpect(transfer_id)

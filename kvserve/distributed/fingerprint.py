@@ -3,7 +3,7 @@
 Ranks started by torchrun on several hosts each load their own copy of the model. Two copies
 that differ (another quantization, another checkpoint, a half-copied file) would load and
 then compute garbage together, so the engine compares this fingerprint across ranks
-(engine.py `_check_ranks_agree`) and refuses to start, naming the rank.
+(distributed/launch.py `check_ranks_agree`) and refuses to start, naming the rank.
 
 A full SHA-256 of an 8B checkpoint reads 16 GB at every first start; the fingerprint reads
 a fixed 1 MiB per file instead: its size and 16 chunks of 64 KiB spread evenly over it (the

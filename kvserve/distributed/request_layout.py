@@ -68,17 +68,11 @@ class RequestShardedMetadata:
         return sum(m.kv_positions_read for m in self.per_rank)
 
     @property
-    def cascade(self):
+    def shared_prefix(self):
         """For the engine's shared-prefix step counter: some rank's plan, if any rank has one."""
-        return next((m.cascade for m in self.per_rank if m.cascade is not None), None)
+        return next((m.shared_prefix for m in self.per_rank if m.shared_prefix is not None), None)
 
     def kv_positions_read_with_sharing(self) -> int:
-        # rank 0 only sees its own plan marked applied; under tensor parallelism every plan the
-        # runner built runs (the fused step, the one path that could skip one, is off), so
-        # each rank's plan counts as its own would
-        for m in self.per_rank:
-            if m.cascade is not None:
-                m.cascade.applied = True
         return sum(m.kv_positions_read_with_sharing() for m in self.per_rank)
 
 

@@ -1,9 +1,10 @@
 """AsyncLLMEngine: the engine in its own thread, requests as asyncio streams.
 
 The engine thread alone touches the LLMEngine. Callers (the HTTP server's event loop)
-validate and tokenize on their side, hand requests over through a command queue, and
-read outputs from a per-request hand-off filled with `call_soon_threadsafe`, so a
-forward pass never blocks the event loop and many streams progress together. A stream
+check and tokenize on their side (the engine's input processor: `prepare_prompt`, then
+`generate`), hand requests over through a queue of typed commands, and read outputs from
+a per-request hand-off filled with `call_soon_threadsafe`, so a forward pass never blocks
+the event loop and many streams progress together. A stream
 that is closed early (a client that disconnected) aborts its request; the abort is
 applied between steps, within one step.
 
@@ -21,18 +22,14 @@ a request's tokens appended and its KV not written, the KV pool partly overwritt
 the engine's state is unknown, and a deterministic bug would fail every later step while
 the server looked healthy. vLLM decides the same (its EngineDeadError): fail loudly, let
 a supervisor start a clean process. Errors a request causes on purpose (`KVServeError`
-from add_request) still fail only that request.
-
-Test hook: the environment variable KVSERVE_TEST_FAIL_ENGINE_AFTER_STEPS=N (or the
-`fail_after_steps` attribute) makes the N+1-th step raise inside the engine thread, a
-real engine failure for the tests of the paths above. Unset, it costs nothing.
+from adding it) still fail only that request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -40,13 +37,13 @@ from typing import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.errors import EngineOverloadedError, InvalidRequestError, KVServeError, PromptTooLongError
+from kvserve.engine.input_processor import NewRequest
+from kvserve.errors import EngineOverloadedError, InvalidRequestError, KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-FAIL_AFTER_STEPS_ENV = "KVSERVE_TEST_FAIL_ENGINE_AFTER_STEPS"
 # waiting prompt tokens, by default: this many KV pools' worth (see AsyncLLMEngine.__init__)
 _WAITING_POOLS = 4
 
@@ -78,6 +75,38 @@ def _build_in_passing_thread(config: EngineConfig | None) -> LLMEngine:
 
 class EngineDeadError(KVServeError):
     """The engine is not running (it failed, or the server is shutting down); no request can be served."""
+
+
+# ---- what the engine thread applies between steps, in order ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AddRequest:
+    request: NewRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    # the server is shutting down: a request that has produced nothing fails (a 503), not an abort
+    shutting_down: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AbandonHandoff:
+    """A decode request's handoff will not come (LLMEngine.abandon_handoff)."""
+
+    transfer_id: str
+    reason: str
+    recompute: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = AddRequest | AbortRequest | AbandonHandoff | Stop
 
 
 class _Stream:
@@ -137,11 +166,6 @@ class _Stream:
             self.event.clear()
             return None
 
-    @property
-    def num_pending(self) -> int:
-        """Outputs held for the consumer: 0 or 1, however far behind it is (for tests)."""
-        return int(self._pending is not None)
-
 
 class RequestStream:
     """Async iterator of one request's outputs. `close()` (or leaving `async with`) before
@@ -190,7 +214,7 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
         self.engine = engine or _build_in_passing_thread(config)
         self.config = self.engine.config
-        self._commands: deque = deque()
+        self._commands: deque[Command] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         # guards _streams, _commands' adds, the waiting counts and the accepting/closed flags,
@@ -214,9 +238,7 @@ class AsyncLLMEngine:
         if cfg_tokens is None:
             cfg_tokens = max(self.engine.max_model_len, _WAITING_POOLS * self.engine.layout.num_tokens)
         self.max_waiting_tokens = cfg_tokens
-        self.fail_after_steps: int | None = int(os.environ.get(FAIL_AFTER_STEPS_ENV) or 0) or None
-        self._steps = 0
-        self._max_token_chars = _longest_token_chars(self.engine.tokenizer)
+        self.engine.inputs.longest_token_chars  # computed now, not on the first request's turn of the event loop
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -235,32 +257,13 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def prepare_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Validate and tokenize on the caller's side; raises typed errors for 4xx answers.
-        Blocking (tokenization): the server calls it in a worker thread."""
-        params.check_vocab(self.engine.arch.vocab_size)
-        self.engine.compile_structured(params)  # a constraint it cannot enforce is a 400; cached for add
-        self.check_prompt_length_before_tokenizing(prompt)
-        ids = self.engine.tokenize_prompt(prompt)
-        self.engine.check_prompt_length(len(ids))
-        return ids
+        """Check and tokenize on the caller's side (InputProcessor.tokenize); raises typed errors
+        for 4xx answers. Blocking (tokenization): the server calls it in a worker thread."""
+        return self.engine.inputs.tokenize(prompt, params)
 
     def check_prompt_length_before_tokenizing(self, prompt: str | Sequence[int]) -> None:
-        """Reject a prompt known to be too long without tokenizing it: a token-id prompt's
-        length is known; a text's token count is at least its characters over the most
-        characters one token covers (sound for tokenizers that drop no input; see
-        `_longest_token_chars`)."""
-        if not isinstance(prompt, str):
-            self.engine.check_prompt_length(len(prompt))
-            return
-        longest = self._max_token_chars
-        if longest:
-            at_least = -(-len(prompt) // longest)
-            if at_least > self.engine.max_model_len:
-                raise PromptTooLongError(
-                    f"the prompt has at least {at_least} tokens ({len(prompt)} characters), more than "
-                    f"max_model_len={self.engine.max_model_len}",
-                    "prompt",
-                )
+        """A prompt known to be too long, refused without tokenizing it (on the event loop)."""
+        self.engine.inputs.check_prompt_length_before_tokenizing(prompt)
 
     def check_admission(self, n: int, num_prompt_tokens: int = 0) -> None:
         """Would a request of `n` samples and this many prompt tokens be admitted now? The cheap
@@ -294,27 +297,29 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         kv_transfer: dict | None = None,
     ) -> "RequestStream":
-        """Submit one request and return its output stream. Raises at once (before any
-        output) when the server is shutting down or the waiting queue is full."""
+        """Submit one request, its prompt checked and tokenized by `prepare_prompt`, and return its
+        output stream. Raises at once (before any output) when its handoff part is not one this
+        instance takes, the server is shutting down or the waiting queue is full."""
         stream = _Stream(asyncio.get_running_loop(), params.n, len(prompt_token_ids))
         with self._lock:  # checked and queued at once: the engine thread applies it or fails it
             self._admit(params.n, len(prompt_token_ids))
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+            new = self.engine.inputs.process(request_id, prompt_token_ids, params, prompt_text=prompt_text, cache_salt=cache_salt,
+                                             kv_transfer=kv_transfer)  # fmt: skip
             self._streams[request_id] = stream
             self._waiting_samples += stream.waiting_samples
             self._waiting_tokens += stream.waiting_tokens
-            self._commands.append(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prompt_text,
-                                   kv_transfer))  # fmt: skip
+            self._commands.append(AddRequest(new))
         self._wake.set()
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._submit(AbortRequest(request_id))
 
     def abandon_handoff(self, transfer_id: str, reason: str, recompute: bool) -> None:
         """A decode request's handoff will not come (LLMEngine.abandon_handoff), applied on the engine thread."""
-        self._submit(("abandon", transfer_id, reason, recompute))
+        self._submit(AbandonHandoff(transfer_id, reason, recompute))
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to `drain_timeout_s`, abort the rest.
@@ -325,8 +330,8 @@ class AsyncLLMEngine:
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
         for request_id in list(self._streams):
-            self._submit(("shutdown_abort", request_id))
-        self._submit(("stop",))
+            self._submit(AbortRequest(request_id, shutting_down=True))
+        self._submit(Stop())
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             try:
@@ -334,7 +339,7 @@ class AsyncLLMEngine:
             except Exception:  # a dead rank is already reported; the shutdown goes on
                 logger.warning("stopping the tensor-parallel ranks failed", exc_info=True)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         if self._closed:  # nobody would apply it; the thread already ended every request
             return
         self._commands.append(command)
@@ -363,38 +368,31 @@ class AsyncLLMEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            if self.fail_after_steps is not None and self._steps >= self.fail_after_steps:
-                raise RuntimeError(f"injected engine failure after {self._steps} steps ({FAIL_AFTER_STEPS_ENV})")
-            self._steps += 1
             start = time.perf_counter()
             for out in self.engine.step():
                 self._deliver(out)
             if self.engine.step_log is not None:  # requests handled by the event loop while the step ran
-                arrivals = sum(1 for c in list(self._commands) if c[0] == "add")
+                arrivals = sum(1 for c in list(self._commands) if isinstance(c, AddRequest))
                 self.engine.record_step(time.perf_counter() - start, arrivals)
 
     def _apply_commands(self) -> None:
         while self._commands:
-            command = self._commands.popleft()
-            kind = command[0]
-            if kind == "add":
-                _, request_id, ids, params, arrival, salt, text, kv_transfer = command
-                try:
-                    self.engine.add_request(request_id, ids, params, arrival_time=arrival, cache_salt=salt, kv_transfer=kv_transfer)
-                    if text is not None:
-                        self.engine.set_prompt_text(request_id, text)
-                except KVServeError as exc:  # this request's own fault; the engine is untouched
-                    self._deliver_error(request_id, exc)
-            elif kind == "abort":
-                out = self.engine.abort_request(command[1])
-                if out is not None:
-                    self._deliver(out)
-            elif kind == "abandon":
-                self.engine.abandon_handoff(*command[1:])
-            elif kind == "shutdown_abort":
-                self._shutdown_abort(command[1])
-            elif kind == "stop":
-                self._stopped = True
+            match self._commands.popleft():
+                case AddRequest(new):
+                    try:
+                        self.engine.add(new)
+                    except KVServeError as exc:  # this request's own fault; the engine is untouched
+                        self._deliver_error(new.request_id, exc)
+                case AbortRequest(request_id, shutting_down=True):
+                    self._shutdown_abort(request_id)
+                case AbortRequest(request_id):
+                    out = self.engine.abort_request(request_id)
+                    if out is not None:
+                        self._deliver(out)
+                case AbandonHandoff(transfer_id, reason, recompute):
+                    self.engine.abandon_handoff(transfer_id, reason, recompute)
+                case Stop():
+                    self._stopped = True
 
     def _shutdown_abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
@@ -460,7 +458,7 @@ class AsyncLLMEngine:
                 stream.fail(reason)
             return
         # a clean stop: the engine is sound, so requests it holds are aborted and freed
-        not_added = {c[1] for c in leftover if c[0] == "add"}
+        not_added = {c.request.request_id for c in leftover if isinstance(c, AddRequest)}
         for request_id, stream in streams:
             out = None if request_id in not_added else self.engine.abort_request(request_id)
             if out is not None and stream.started:
@@ -468,41 +466,3 @@ class AsyncLLMEngine:
             else:
                 stream.fail(EngineDeadError("the server is shutting down; the request was not started"))
 
-
-def _longest_token_chars(tokenizer) -> int | None:
-    """The most input characters one token can cover, from the vocabulary, or None where that
-    is not a sound bound. Byte-level BPE (each input byte becomes one symbol) and SentencePiece
-    (a space becomes "▁") drop nothing, so a token covers at most as many input characters as
-    its vocabulary string has symbols (a byte-fallback "<0xE2>" covers less). Tokenizers that
-    strip whitespace or normalize text shorter (WordPiece, NFKC, …) get no bound."""
-    import json
-
-    backend = getattr(getattr(tokenizer, "hf", None), "_tokenizer", None)
-    if backend is None:
-        return None
-    try:
-        spec = json.loads(backend.to_str())
-        vocab = tokenizer.hf.get_vocab()
-    except Exception:
-        return None
-    if not _drops_nothing(spec.get("normalizer"), {"Prepend", "Replace"}) or not _drops_nothing(
-        spec.get("pre_tokenizer"), {"ByteLevel", "Metaspace", "Split", "Digits"}
-    ):
-        return None
-    return max((len(t) for t in vocab), default=0) or None
-
-
-def _drops_nothing(component: dict | None, allowed: set[str]) -> bool:
-    if component is None:
-        return True
-    kind = component.get("type")
-    if kind == "Sequence":
-        parts = component.get("normalizers") or component.get("pretokenizers") or []
-        return all(_drops_nothing(p, allowed) for p in parts)
-    if kind == "Split" and str(component.get("behavior", "")).lower() == "removed":
-        return False
-    if kind == "Replace":  # a space to "▁" keeps the length; anything else may shorten
-        pattern = component.get("pattern", {})
-        source = pattern.get("String") if isinstance(pattern, dict) else None
-        return source is not None and len(source) == 1 and len(component.get("content", "")) >= 1
-    return kind in allowed

@@ -1,4 +1,5 @@
-"""KVCacheManager: block tables of requests over the BlockPool, with automatic prefix caching.
+"""KVCacheManager: block tables of requests over the BlockPool, with automatic prefix caching
+(engine/prefix_cache.py).
 
 Interface as in vLLM v1: `get_computed_blocks` finds a request's longest cached block
 prefix, `allocate_slots` grows its block table for the tokens it will compute this step
@@ -8,6 +9,7 @@ prefix, `allocate_slots` grows its block table for the tokens it will compute th
 from __future__ import annotations
 
 from kvserve.engine.block_pool import BlockPool, KVBlock
+from kvserve.engine.prefix_cache import PrefixCache
 from kvserve.engine.request import Request
 
 
@@ -15,10 +17,9 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, events=None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.events = events  # kv_events.KVEventLog (--enable-kv-cache-events), or None
-        self.pool = BlockPool(num_blocks, events)
+        self.pool = BlockPool(num_blocks, events)  # events: kv_events.KVEventLog (--enable-kv-cache-events), or None
+        self.prefix_cache = PrefixCache(self.pool, block_size, events)
         self._req_blocks: dict[str, list[KVBlock]] = {}
-        self._num_hashed_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -36,19 +37,10 @@ class KVCacheManager:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks matching the request's token prefix.
-
-        The last token is never taken from the cache: its logits are needed to sample.
-        """
+        """Longest run of cached full blocks matching the request's token prefix, and its tokens."""
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self.prefix_cache.lookup(request)
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
@@ -74,44 +66,20 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
-        self._num_hashed_blocks.setdefault(request.request_id, len(computed_blocks))
+        self.prefix_cache.admit(request, len(computed_blocks))
         if self.enable_prefix_caching and cache:
-            self._cache_full_blocks(request, blocks, num_total)
+            self.prefix_cache.cache_full_blocks(request, blocks, num_total)
         return True
 
     def cache_loaded(self, request: Request, num_tokens: int) -> None:
         """The KV of the request's first `num_tokens` positions has been loaded into its blocks:
         their full blocks become findable (those allocated with `cache=False`)."""
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, self._req_blocks[request.request_id], num_tokens)
-
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
-        # Blocks whose every token is computed by the end of this step become findable. A
-        # request scheduled later in the same step may hit them: each layer writes all new
-        # K/V of the step before any query reads, so their contents exist when read.
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        start = self._num_hashed_blocks[request.request_id]
-        stored = [i for i in range(start, num_full) if self.pool.cache_block(blocks[i], request.block_hashes[i])]
-        self._num_hashed_blocks[request.request_id] = max(start, num_full)
-        if stored and self.events is not None:
-            self._record_stored(request, stored)
-
-    def _record_stored(self, request: Request, indices: list[int]) -> None:
-        """One BlockStored per run of consecutive blocks, as vLLM batches them."""
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        runs: list[list[int]] = []
-        for i in indices:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            parent = hashes[run[0] - 1] if run[0] else None
-            self.events.stored([hashes[i] for i in run], parent, list(tokens[run[0] * bs : (run[-1] + 1) * bs]), bs)
+            self.prefix_cache.cache_full_blocks(request, self._req_blocks[request.request_id], num_tokens)
 
     def free(self, request: Request) -> None:
         blocks = self._req_blocks.pop(request.request_id, [])
-        self._num_hashed_blocks.pop(request.request_id, None)
+        self.prefix_cache.forget(request)
         # tail blocks first, so a request's own prefix is the last of it to be evicted
         self.pool.free_blocks(list(reversed(blocks)))
 

@@ -1,5 +1,5 @@
-"""ModelRunner: owns the model and the KV pool tensors; turns a SchedulerOutput into one
-forward pass and the logits of the positions that sample.
+"""ModelRunner: owns the model, the KV pool tensors and the sampler; turns a SchedulerOutput
+into one forward pass and the tokens its sampling positions draw (`execute_model`).
 
 The flat batch puts requests with one new position (decodes, m = 1) first, so their
 attention runs as one batched call; requests with m > 1 (prefill chunks, over any cached
@@ -15,10 +15,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.cascade import SharedPrefixRule, find_shared_prefill_prefixes
-from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, context_slots, rectangular_causal_bias
+from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, SharedPrefixTensors, context_slots, rectangular_causal_bias
+from kvserve.attention.shared_prefix_plan import SharedPrefixRule, find_shared_prefill_prefixes
 from kvserve.distributed.request_layout import RequestShardedMetadata
 from kvserve.engine.request import Request
+from kvserve.engine.sampler import Sampler, SamplerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.llama import LlamaForCausalLM
@@ -99,7 +100,7 @@ class ModelRunner:
         # distributed/group.py TensorParallelGroup (None: one process); rank 0 sends each step's inputs
         self.tp = tp if tp is not None and tp.world > 1 else None
         # "auto": decode rows whose tables start with the same physical blocks run in parts
-        # where the rule says so (attention/cascade.py); "off": never
+        # where the rule says so (attention/shared_prefix_plan.py); "off": never
         self.shared_prefix_attention = shared_prefix_attention
         self.shared_prefix_rule = shared_prefix_rule or SharedPrefixRule()
         self.layout = layout
@@ -109,7 +110,7 @@ class ModelRunner:
         shape = (layout.num_blocks, layout.block_size, pool_kv_heads or arch.num_kv_heads, arch.head_dim)
         # one allocation for all layers' K and V: [2, L, blocks, block_size, N_kv, H], in the
         # layout's dtype (the model's, or int8); int8 pools get their scales beside them in a
-        # second one, [2, L, blocks, block_size, N_kv] fp32 (kvserve/attention/paged.py quantize_kv)
+        # second one, [2, L, blocks, block_size, N_kv] fp32 (kvserve/attention/kv_pool.py quantize_kv)
         self.kv_pool = torch.zeros((2, arch.num_layers, *shape), dtype=layout.kv_dtype, device=device)
         self.kv_scales = None
         if layout.quantized:
@@ -119,6 +120,18 @@ class ModelRunner:
             model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
         # the decode-attention kernel walks block tables itself: no slot lists or masks needed
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
+        self.sampler = Sampler(model.kernels.op("argmax_rows"))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[StepBatch, SamplerOutput | None]:
+        """One step: its batch (the prompt logprobs it computed filled in) and the tokens its
+        sampling requests drew, in the scheduler output's `sampling` order (None: none samples)."""
+        batch = self.prepare(scheduler_output)
+        sampling = [s.request for s in batch.sampling]
+        if sampling and self.sampler.plain_greedy(sampling):
+            # argmax only: the LM head takes it as it computes, where it can (no logits written)
+            return batch, self.sampler.greedy_output(self.execute_greedy(batch, self.sampler.argmax))
+        logits = self.execute(batch)
+        return batch, self.sampler(logits, sampling) if sampling else None
 
     def prepare(self, scheduler_output: SchedulerOutput) -> StepBatch:
         block_tables = scheduler_output.block_tables
@@ -197,46 +210,48 @@ class ModelRunner:
                 )
             query_start += m
 
-        decode_slots = decode_mask = decode_lens = decode_tables = cascade = None
+        decode_slots = decode_mask = decode_lens = decode_tables = shared_prefix = None
         kv_positions_read = sum(seg.num_cached + seg.num_new for seg in prefills)
         # several prompt chunks over the same cached prefix read it once; the result is the
-        # same bits either way (attention/cascade.py), so no cost rule beyond the flag
+        # same bits either way (attention/shared_prefix_plan.py), so no cost rule beyond the flag
         prefill_sharing = None
         if self.shared_prefix_attention == "auto" and len(prefills) > 1:
             prefill_reqs = [s for s in ordered if s.num_new_tokens > 1]
             prefill_sharing = find_shared_prefill_prefixes(
                 [block_tables[s.request.request_id] for s in prefill_reqs], [seg.num_cached for seg in prefills], bs
             )
+        # --deterministic with prompt chunks: every row through the decode kernel, which reads
+        # every history (AttentionMetadata.row_tables)
+        row_tables = None
+        if self.deterministic and prefills and self.decode_reads_pool_in_place:
+            row_tables = self._row_tables(ordered, block_tables)
         if decodes:
             lens_list = [s.request.num_computed_tokens + 1 for s in decodes]
             kv_positions_read += sum(lens_list)
-            if self.shared_prefix_attention == "auto":
+            # a plan is built only where this step's attention runs it, so the engine counts
+            # what the metadata carries: not under row_tables, and not for fp32 queries on the
+            # kernels (they take bf16 ones, over bf16 or int8 pools; the plain decode kernel
+            # then reads every history)
+            in_place_fp32 = self.decode_reads_pool_in_place and self.model.dtype != torch.bfloat16
+            if self.shared_prefix_attention == "auto" and row_tables is None and not in_place_fp32:
                 decode_block_lists = [block_tables[s.request.request_id] for s in decodes]
-                cascade = self.shared_prefix_rule.plan(decode_block_lists, lens_list, bs)
-                # the kernels take bf16 queries (over bf16 or int8 pools): with fp32 ones the
-                # plain decode kernel reads every history (and no plan is counted as applied)
-                if cascade is not None and self.decode_reads_pool_in_place:
-                    if self.model.dtype != torch.bfloat16:
-                        cascade = None
-                    else:
-                        cascade.build_kernel_tensors(self.model.kernels.ops, self.device)
-                elif cascade is not None:  # the reference path: slots and masks
-                    cascade.to(self.device).build_suffix_tensors(decode_block_lists, self.device)
+                plan = self.shared_prefix_rule.plan(decode_block_lists, lens_list, bs)
+                if plan is not None and self.decode_reads_pool_in_place:
+                    shared_prefix = SharedPrefixTensors.for_kernels(plan, self.model.kernels.ops, self.device)
+                elif plan is not None:  # the reference path: slots and masks
+                    shared_prefix = SharedPrefixTensors.for_reference(plan, decode_block_lists, self.device)
             lens = torch.tensor(lens_list)
             max_len = int(lens.max())
             max_blocks = -(-max_len // bs)
             padded = [block_tables[s.request.request_id][:max_blocks] for s in decodes]
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long)
-            if not self.decode_reads_pool_in_place and cascade is None:  # the reference path gathers slots, then masks
+            if not self.decode_reads_pool_in_place and shared_prefix is None:  # the reference path gathers slots, then masks
                 ctx = torch.arange(max_len)
                 decode_slots = (tables[:, ctx // bs] * bs + ctx % bs).to(self.device)
                 decode_mask = (ctx.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len).to(self.device)
             decode_lens = lens.to(torch.int32).to(self.device)
             decode_tables = tables.to(torch.int32).to(self.device)
 
-        row_tables = None
-        if self.deterministic and prefills and self.decode_reads_pool_in_place:
-            row_tables = self._row_tables(ordered, block_tables)
         return AttentionMetadata(
             row_tables=row_tables,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
@@ -246,7 +261,7 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             decode_block_tables=decode_tables,
             prefills=prefills,
-            cascade=cascade,
+            shared_prefix=shared_prefix,
             kv_positions_read=kv_positions_read,
             prefill_sharing=prefill_sharing,
         )

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.request import Request, RequestStatus, check_stop
+from kvserve.engine.request import Request, check_stop
+from kvserve.request_state import RequestStatus
 from kvserve.structured.advance import advance_structured
 
 if TYPE_CHECKING:

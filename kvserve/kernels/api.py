@@ -215,7 +215,7 @@ class DecodeModel(Protocol):
 
 
 class CascadeLevel(Protocol):
-    """One shared level of a decode step's plan (attention/cascade.py SharedLevel)."""
+    """One shared level of a decode step's plan (attention/shared_prefix_plan.py SharedLevel)."""
 
     def __init__(self, *, members: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> None: ...
 
@@ -346,7 +346,7 @@ class CpuOps(Protocol):
         /,
     ) -> torch.Tensor:
         """rope_and_cache into int8 pools: K (after RoPE) and V quantized per (slot, KV head), scales into
-        k_scale / v_scale [num_blocks, block_size, N_kv] fp32 (kvserve/attention/paged.py quantize_kv); returns Q."""
+        k_scale / v_scale [num_blocks, block_size, N_kv] fp32 (kvserve/attention/kv_pool.py quantize_kv); returns Q."""
 
     def silu_and_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
         """[T, 2F] -> silu(gate) * up, [T, F]."""

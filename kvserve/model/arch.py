@@ -1,8 +1,9 @@
 """The shape of a Llama-family model: everything the forward pass and the KV cache need.
 
 One dataclass for Llama, Mistral and Qwen2 (which differ only in QKV bias, RoPE theta
-and sliding window); built from an HF `config.json` here or from GGUF metadata
-(`kvserve.model.gguf_metadata`). Torch-free: the planner describes models with it too.
+and sliding window); read from an HF `config.json` here (`read_hf_config`) or from GGUF
+metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.model.presets`. Torch-free:
+the planner, the simulator and tools/make_model.py describe models with it too.
 
 Reading a shape and running it are separate decisions. A `ModelArchitecture` can hold
 any Llama-shaped decoder; `check_supported()` says whether the engine runs it, and the
@@ -14,9 +15,11 @@ shapes the engine does not run). This module also owns the two counts both sides
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
-from kvserve.errors import UnsupportedModelError
+from kvserve.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -86,10 +89,11 @@ class ModelArchitecture:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+    # defaults as a config.json that leaves them out is read (from_hf_config)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None
@@ -200,6 +204,26 @@ class ModelArchitecture:
             eos_token_ids=eos_ids,
         )
         return arch.check_supported() if require_supported else arch
+
+
+def read_hf_config(path: str | Path, *, require_supported: bool = True) -> ModelArchitecture:
+    """The architecture of a Hugging Face model's `config.json` (the file, or the directory
+    holding it): the one reader of HF shapes, for the engine's loader and the planner. Without
+    `require_supported` (the planner) a multimodal config's decoder (`text_config`) is read."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path}: missing config.json" if path.is_dir() else f"{path}: no such file")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not require_supported:
+        config = config.get("text_config", config)
+    try:
+        return ModelArchitecture.from_hf_config(config, require_supported=require_supported)
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_path}: missing field {exc.args[0]!r}") from exc
 
 
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:

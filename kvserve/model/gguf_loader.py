@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.engine.allocator import release_free_memory
 from kvserve.errors import ModelLoadError, UnsupportedModelError
+from kvserve.memory import release_free_memory
 from kvserve.model.arch import ModelArchitecture
 
 _LAYER_TENSORS = {

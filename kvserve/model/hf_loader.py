@@ -2,42 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
-from kvserve.engine.allocator import release_free_memory
 from kvserve.errors import ModelLoadError
-from kvserve.model.arch import ModelArchitecture
+from kvserve.memory import release_free_memory
+from kvserve.model.arch import ModelArchitecture, read_hf_config
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_architecture(model_dir: Path) -> ModelArchitecture:
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{model_dir}: missing config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
+    """The shape `config.json` describes (`read_hf_config`, the planner's reader too), with the
+    end tokens `generation_config.json` adds: it often lists more than config.json (<|eot_id|>)."""
+    arch = read_hf_config(model_dir)
     generation_path = model_dir / "generation_config.json"
-    if generation_path.is_file():
-        # generation_config often lists more end tokens than config.json (e.g. <|eot_id|>)
-        gen_eos = json.loads(generation_path.read_text()).get("eos_token_id")
-        if gen_eos is not None:
-            base = config.get("eos_token_id")
-            ids = (base if isinstance(base, list) else [base]) if base is not None else []
-            for eos in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
-                if eos not in ids:
-                    ids.append(eos)
-            config = {**config, "eos_token_id": ids}
-    try:
-        return ModelArchitecture.from_hf_config(config)
-    except KeyError as exc:
-        raise ModelLoadError(f"{config_path}: missing field {exc.args[0]!r}") from exc
+    gen_eos = json.loads(generation_path.read_text()).get("eos_token_id") if generation_path.is_file() else None
+    if gen_eos is None:
+        return arch
+    ids = list(arch.eos_token_ids)
+    for eos in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+        if eos not in ids:
+            ids.append(eos)
+    return dataclasses.replace(arch, eos_token_ids=tuple(ids))
 
 
 _SAFETENSORS_DTYPES = {

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.paged import paged_attention, write_kv
+from kvserve.attention.kv_pool import write_kv
+from kvserve.attention.paged import paged_attention
 from kvserve.distributed.request_layout import RequestExchange, RequestHeads, RequestShardedMetadata, RequestStep
-from kvserve.engine.allocator import release_free_memory
 from kvserve.kernels.support import KernelSupport
+from kvserve.memory import release_free_memory
 from kvserve.model.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
 from kvserve.model.linear import Linear, cat_rows
@@ -61,7 +62,7 @@ class LlamaAttention(nn.Module):
         self.prefill_ops = kernels.op("prefill_attention")
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
-        # int8 pools' scales [blocks, block_size, N_kv] fp32 (kvserve/attention/paged.py quantize_kv); None for float pools
+        # int8 pools' scales [blocks, block_size, N_kv] fp32 (kvserve/attention/kv_pool.py quantize_kv); None for float pools
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
@@ -323,14 +324,11 @@ class LlamaForCausalLM(nn.Module):
         if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
             # attention in its parts (kernels/cascade_attention.cpp)
-            plan = meta.cascade if meta.cascade is not None and meta.cascade.uses_kernels else None
-            hidden = self.kernels.ops.decode_layers(
+            plan = meta.shared_prefix
+            return self.kernels.ops.decode_layers(
                 self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                 plan.kernel_plan if plan is not None else None,
             )
-            if plan is not None:
-                plan.applied = True
-            return hidden
         rope = RopeInputs(self.rotary, positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):

@@ -13,10 +13,10 @@ from kvserve.planner.hardware import PRESETS as CHIP_PRESETS
 from kvserve.planner.hardware import Chip, get_chip
 from kvserve.planner.inputs import PlanInputs
 from kvserve.planner.models import PRESETS as MODEL_PRESETS
-from kvserve.planner.models import ModelShape, from_gguf, from_hf_config, load_model
+from kvserve.planner.models import PlannedModel, from_gguf, from_hf_config, load_model
 from kvserve.planner.plan import Plan, make_plan
 
 __all__ = [
-    "CHIP_PRESETS", "Chip", "get_chip", "PlanInputs", "MODEL_PRESETS", "ModelShape", "from_gguf",
+    "CHIP_PRESETS", "Chip", "get_chip", "PlanInputs", "MODEL_PRESETS", "PlannedModel", "from_gguf",
     "from_hf_config", "load_model", "Plan", "make_plan",
 ]

@@ -1,8 +1,10 @@
-"""`kvserve plan …`: run | examples | calibrate | check-sim | presets.
+"""`kvserve plan …`: run | examples | calibrate | presets.
 
 Flags take convenient units named in the flag (`--step-target-ms`, `--hbm-gb`); they
 are converted once here to the API's base units (seconds, bytes). A bad value comes
-back as one line naming the API field and the flag.
+back as one line naming the API field and the flag. The commands the simulator backs
+(`plan check-sim`, `plan calibrate --engine`) are added by kvserve/sim/plan_commands.py,
+since the simulator sits above the planner.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.errors import ConfigError
+from kvserve.model.arch import ModelArchitecture
 from kvserve.planner import formats, hardware, models
 from kvserve.planner.layout import KV_LAYOUTS
 
@@ -34,20 +37,19 @@ _FLAGS = {
     "cost_usd_per_chip_s": "--chip-cost-usd-per-hour", "link_bytes_per_s": "--link-gb-per-s",
     "link_latency_s": "--link-latency-us", "model": "--model", "chip": "--chip",
     "kv_scale_bytes": "--kv-cache-dtype", "weight_format": "--quantization", "kv_cache_dtype": "--kv-cache-dtype",
-    **{f: "--" + f.replace("_", "-") for f in ("num_layers", "d_model", "ffn_width", "num_query_heads", "num_kv_heads",
-                                              "head_dim", "vocab_size", "num_params")},
+    **{f: "--" + f.replace("_", "-") for f in (*models.SEED_NAMES, "num_params")},
 }
-_SHAPE_FLAGS = ("num_layers", "d_model", "ffn_width", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size")
 
 
 def register(subparsers) -> None:
     plan = subparsers.add_parser("plan", help="inference arithmetic: what batch fits, how fast, at what cost",
                                  description="The seed's inference arithmetic for any model and chip.")
-    plan.set_defaults(func=lambda args: (plan.print_help(), 2)[1])
     sub = plan.add_subparsers(dest="plan_command", metavar="PLAN_COMMAND")
+    # plan_commands: for the rooms above the planner to add theirs (kvserve/sim/plan_commands.py)
+    plan.set_defaults(func=lambda args: (plan.print_help(), 2)[1], plan_commands=sub)
 
     run = sub.add_parser("run", help="compute every quantity for one model, chip and workload")
-    _add_run_flags(run)
+    add_run_flags(run)
     run.set_defaults(func=_run)
 
     examples = sub.add_parser("examples", help="recompute the seed's worked examples; exit 1 on a mismatch")
@@ -63,47 +65,17 @@ def register(subparsers) -> None:
     calibrate.add_argument("--chip-cost-usd-per-hour", type=float, help="price to store with the measurement")
     calibrate.add_argument("--collectives", action=argparse.BooleanOptionalAction, default=True,
                            help="time a two-rank gloo AllReduce on this host for the TP link's α and bandwidth (default on)")
-    _add_engine_calibrate_flags(calibrate)
     calibrate.set_defaults(func=_calibrate)
-
-    check = sub.add_parser("check-sim", help="the plan's step time and stage rates against the simulator at saturation "
-                           "(same inputs, same roofline): the two tools must agree")
-    _add_run_flags(check)
-    check.add_argument("--requests", type=int, help="requests per simulated run (default max(4·B, 64))")
-    check.set_defaults(func=_check_sim)
 
     presets = sub.add_parser("presets", help="list model and chip presets")
     presets.set_defaults(func=_presets)
 
 
-def _add_engine_calibrate_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (with --engine)")
-    g.add_argument("--engine", action="store_true",
-                   help="time kvserve's own steps over a grid of shapes and fit the step model `kvserve sim` runs on, "
-                        "instead of the chip's roofline figures")
-    g.add_argument("--model", help="the model to run (default: SmolLM2-135M-Instruct), as kvserve serve takes it")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"])
-    g.add_argument("--kv-cache-memory", default="1GiB")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default, as kvserve serve)")
-    g.add_argument("--in-process", action="store_true",
-                   help="time the engine alone in this process, instead of through a `kvserve serve` it starts "
-                        "(whose steps carry what serving adds: what kvserve sim must predict)")
-    g.add_argument("--grid", choices=["full", "quick"], default="full",
-                   help="full: about two minutes on the default model; quick: seconds, for tests")
-    g.add_argument("--output", metavar="FILE", help="where to write the step model (default: kvserve's cache, where "
-                   "kvserve sim looks)")
-
-
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
+def add_run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, help=f"preset ({', '.join(models.PRESETS)}), a .gguf, a config.json "
                    "(or its directory), or `custom` with every shape flag")
-    for flag in _SHAPE_FLAGS:
+    for flag in models.SEED_NAMES:
         g.add_argument("--" + flag.replace("_", "-"), type=int, help="override the model's value")
     g.add_argument("--num-params", type=float, help="P; default: the source's, or counted from Llama shapes")
     g = p.add_argument_group("chip")
@@ -158,8 +130,8 @@ def _scaled(value: float | None, unit: float) -> float | None:
     return None if value is None else value * unit
 
 
-def _model(args) -> models.ModelShape:
-    shape = {f: getattr(args, f) for f in _SHAPE_FLAGS}
+def _model(args) -> models.PlannedModel:
+    shape = {f: getattr(args, f) for f in models.SEED_NAMES}
     if args.model != "custom":
         return models.with_overrides(models.load_model(args.model), **shape, num_params=args.num_params)
     if shape["head_dim"] is None and shape["d_model"] and shape["num_query_heads"]:
@@ -167,8 +139,9 @@ def _model(args) -> models.ModelShape:
     missing = [f for f, v in shape.items() if v is None]
     if missing:
         raise ConfigError("model", "custom needs " + ", ".join("--" + f.replace("_", "-") for f in missing))
-    params = args.num_params or models.llama_num_params(**shape, tied_embeddings=False)
-    return models.ModelShape("custom", **shape, num_params=params, note="custom shape")
+    arch = ModelArchitecture("llama", **{models.SEED_NAMES[f]: v for f, v in shape.items()})
+    return models.PlannedModel("custom", arch, args.num_params or arch.num_params, note="custom shape",
+                               architecture_known=False)
 
 
 def _either(name_flag: str, name: str | None, number_flag: str, number: float | None) -> None:
@@ -176,7 +149,7 @@ def _either(name_flag: str, name: str | None, number_flag: str, number: float | 
         raise ConfigError(name_flag, f"give {name_flag} or {number_flag}, not both (got {name!r} and {number:g})")
 
 
-def _bytes(args, model: models.ModelShape) -> dict:
+def _bytes(args, model: models.PlannedModel) -> dict:
     """p_w, p_kv and the KV scale bytes from the format names or the explicit numbers (default bf16)."""
     _either("--quantization", args.quantization, "--bytes-per-weight", args.bytes_per_weight)
     _either("--kv-cache-dtype", args.kv_cache_dtype, "--bytes-per-kv-element", args.bytes_per_kv_element)
@@ -251,56 +224,7 @@ def _examples(args) -> int:
     return 0 if all(e.match is not False for e in rows) else 1
 
 
-def _engine_flags(args) -> list[str]:
-    """The engine flags of `plan calibrate --engine`, as `kvserve serve` takes them."""
-    flags = ["--device", args.device, "--dtype", args.dtype, "--quantization", args.quantization,
-             "--kv-cache-dtype", args.kv_cache_dtype, "--kv-cache-memory", str(args.kv_cache_memory),
-             "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--threads", str(args.threads)]  # fmt: skip
-    if args.model:
-        flags += ["--model", args.model]
-    if args.max_model_len:
-        flags += ["--max-model-len", str(args.max_model_len)]
-    return flags
-
-
-def _calibrate_engine(args) -> int:
-    from kvserve.sim.calibrate import calibrate_in_process, calibrate_through_server
-    from kvserve.sim.measure import Grid
-
-    grid = Grid.quick() if args.grid == "quick" else Grid()
-    if args.in_process:
-        from kvserve.engine_args import add_engine_args, engine_config_from_args
-
-        parser = argparse.ArgumentParser()
-        add_engine_args(parser)
-        config = engine_config_from_args(parser.parse_args(_engine_flags(args)))
-        model, errs, path = calibrate_in_process(config, grid, args.output, progress=sys.stderr.isatty())
-    else:
-        model, errs, path = calibrate_through_server(_engine_flags(args), grid, args.output, progress=sys.stderr.isatty())
-    console = Console()
-    console.print(model.label, markup=False, highlight=False)
-    table = Table(title="fitted step model (seconds)", title_justify="left")
-    table.add_column("coefficient")
-    table.add_column("value", justify="right")
-    from kvserve.sim.step_model import COEFFICIENTS
-
-    for name in (*COEFFICIENTS, "request_overhead", "busy_request_overhead"):
-        table.add_row(name, f"{getattr(model, name):.4g}")
-    console.print(table)
-    table = Table(title="fit error |predicted/measured − 1|", title_justify="left")
-    for name in ("steps", "kind", "median", "worst"):
-        table.add_column(name)
-    for kind, e in errs.items():
-        table.add_row(str(e["steps"]), kind.replace("_", " "), f"{e['median']:.1%}", f"{e['max']:.1%}")
-    console.print(table)
-    print(f"wrote {path}; kvserve sim uses it")
-    return 0
-
-
 def _calibrate(args) -> int:
-    if args.engine:
-        return _calibrate_engine(args)
     from kvserve.planner.calibrate import calibrate
     from kvserve.planner.hardware import local_chip_path
     from kvserve.planner.quantity import show
@@ -316,35 +240,13 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _check_sim(args) -> int:
-    from kvserve.sim.check_plan import check
-
-    if args.requests is not None and args.requests < 2:
-        raise ConfigError("--requests", f"must be >= 2, got {args.requests}")
-    rows = check(build_inputs(args), args.requests)
-    if args.json:
-        import json
-
-        print(json.dumps([{"quantity": r.quantity, "planner": r.planner, "simulator": r.simulator, "unit": r.unit,
-                           "difference": r.difference, "note": r.note} for r in rows], indent=2))  # fmt: skip
-        return 0
-    table = Table(title="plan run (closed form) against kvserve sim (saturated, the same roofline)", title_justify="left")
-    for name in ("quantity", "planner", "simulator", "difference", "how the simulator ran"):
-        table.add_column(name)
-    for r in rows:
-        table.add_row(r.quantity, f"{r.planner:.4g} {r.unit}", f"{r.simulator:.4g} {r.unit}", f"{r.difference:+.1%}", r.note)
-    Console().print(table)
-    return 0
-
-
 def _presets(args) -> int:
     console = Console()
     table = Table(title="Model presets", title_justify="left")
     for name in ("name", "L", "D", "F", "N_q", "N_kv", "H", "V", "P"):
         table.add_column(name, no_wrap=True)
     for m in models.PRESETS.values():
-        table.add_row(m.name, *(str(v) for v in (m.num_layers, m.d_model, m.ffn_width, m.num_query_heads,
-                                                 m.num_kv_heads, m.head_dim, m.vocab_size)), f"{m.num_params:.4g}")
+        table.add_row(m.name, *(str(getattr(m.arch, f)) for f in models.SEED_NAMES.values()), f"{m.num_params:.4g}")
     console.print(table)
     table = Table(title="Chip presets", title_justify="left")
     for name in ("name", "HBM GB", "β GB/s", "C TFLOP/s", "USD/h", "link GB/s"):

@@ -75,7 +75,7 @@ def seed_70b_inputs(**changes) -> PlanInputs:
 def section_2_3() -> list[Example]:
     c_kv = kv.kv_bytes_per_position(32, 8, 128, 2)
     shape = attention.attention_weight_shape(3, 4)
-    g = MODELS["seed-8b"].queries_per_kv_head
+    g = MODELS["seed-8b"].arch.queries_per_kv_head
     return [
         Example("§2", "attention weights, cached abc + new xefg", "[4, 7]", f"[{shape[0]}, {shape[1]}]", "[4, 7]"),
         Example("§3", "c_kv: 32 layers, 8 KV heads, H=128, bf16", "128 KiB", c_kv / KIB, 128),
@@ -107,7 +107,7 @@ def section_4() -> list[Example]:
         Example("§4", "decode halved: TTFT", "400 ms", e.halved_decode_ttft_s / MS, 400),
         Example("§4", "decode halved: total", "1.4 s", e.halved_decode_total_s, 1.4, 1),
         Example("§4", "one 8192 sequence vs two 4096: projection work", "same",
-                "same" if latency.prefill_flops(1, 8192) == 2 * latency.prefill_flops(1, 4096) else "differs", "same"),
+                "same" if latency.prefill_projection_flops(1, 8192) == 2 * latency.prefill_projection_flops(1, 4096) else "differs", "same"),
         Example("§4", "one 8192 sequence vs two 4096: causal pairs per head", "differ",
                 f"differ ({pairs_one:,} vs {pairs_two:,})" if pairs_one != pairs_two else "same", "differ"),
         Example("§4", "critical batch when only p_w halves", "halves",

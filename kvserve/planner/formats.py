@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from kvserve.errors import ConfigError
 from kvserve.model.arch import KV_INT8_SCALE_BYTES
-from kvserve.planner.models import ModelShape
+from kvserve.planner.models import PlannedModel
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "q8_0", "q4_0", "q4_1", "q4_k_m")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
@@ -61,7 +61,7 @@ class KvFormat:
     scale_bytes: float  # s, per (position, KV head), each of K and V
 
 
-def weight_format(name: str, model: ModelShape) -> WeightFormat:
+def weight_format(name: str, model: PlannedModel) -> WeightFormat:
     """p_w of `--quantization NAME` for this model; ConfigError naming the flag for a bad name."""
     if name not in QUANTIZATIONS:
         raise ConfigError("--quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
@@ -72,7 +72,7 @@ def weight_format(name: str, model: ModelShape) -> WeightFormat:
             return WeightFormat(name, model.stored_bytes_per_weight, "the GGUF's own tensor types and sizes")
         return WeightFormat(name, BF16_BYTES, "a float model in bf16")
     if name == "int8":
-        return WeightFormat(name, 1 + 2 / model.d_model, f"int8 and an fp16 scale per row of D={model.d_model}")
+        return WeightFormat(name, 1 + 2 / model.arch.hidden_size, f"int8 and an fp16 scale per row of D={model.arch.hidden_size}")
     return WeightFormat(name, _BLOCK_BYTES_PER_WEIGHT[name], {
         "int4": "4-bit, fp16 scale and min per 32", "q8_0": "Q8_0 blocks, 34 B per 32", "q4_0": "Q4_0 blocks, 18 B per 32",
         "q4_1": "Q4_1 blocks, 20 B per 32", "q4_k_m": f"Q4_K_M, ≈{Q4_K_M_BITS_PER_WEIGHT} bits per weight (estimate)",

@@ -13,14 +13,14 @@ from kvserve.errors import ConfigError
 from kvserve.planner import checks
 from kvserve.planner.hardware import Chip
 from kvserve.planner.layout import KV_LAYOUTS, check_heads_layout
-from kvserve.planner.models import ModelShape
+from kvserve.planner.models import PlannedModel
 
 SHARED_PREFIX_READS = ("once", "per-request")
 
 
 @dataclass(frozen=True)
 class PlanInputs:
-    model: ModelShape
+    model: PlannedModel
     chip: Chip
     num_chips: int = 1  # N
     bytes_per_weight: float = 2.0  # p_w (1 = int8)
@@ -52,8 +52,8 @@ class PlanInputs:
     kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, ModelShape):
-            raise ConfigError("model", f"must be a ModelShape, got {type(self.model).__name__}")
+        if not isinstance(self.model, PlannedModel):
+            raise ConfigError("model", f"must be a PlannedModel, got {type(self.model).__name__}")
         if not isinstance(self.chip, Chip):
             raise ConfigError("chip", f"must be a Chip, got {type(self.chip).__name__}")
         checks.integer("num_chips", self.num_chips, 1, 1_000_000)
@@ -91,7 +91,7 @@ class PlanInputs:
         if self.arrival_rate_req_per_s is not None:
             checks.positive("arrival_rate_req_per_s", self.arrival_rate_req_per_s)
         if self.kv_layout == "heads":
-            check_heads_layout(self.num_chips, self.model.num_query_heads, self.model.num_kv_heads)
+            check_heads_layout(self.num_chips, self.model.arch.num_heads, self.model.arch.num_kv_heads)
 
     @property
     def reads_shared_prefix_once(self) -> bool:
@@ -103,6 +103,6 @@ class PlanInputs:
 
     def as_json(self) -> dict:
         data = asdict(self)
-        data["model"] = asdict(self.model)
+        data["model"] = self.model.as_json()
         data["chip"] = asdict(self.chip)
         return data

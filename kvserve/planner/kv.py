@@ -48,7 +48,7 @@ def shared_prefix_read_bytes(num_requests: int, shared_positions: int, private_p
 
 def shared_prefix_read_once_bytes(num_requests: int, shared_positions: int, private_positions: int, kv_bytes_per_position: float) -> float:
     """(S_shared + B·S_private)·c_kv: shared-prefix attention loads each shared block once and
-    lets every request's queries use it (kvserve/attention/cascade.py), so a step reads the
+    lets every request's queries use it (kvserve/attention/shared_prefix_plan.py), so a step reads the
     prefix once plus each request's private part, the same bytes as are stored."""
     return (shared_positions + num_requests * private_positions) * kv_bytes_per_position
 

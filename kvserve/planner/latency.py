@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def prefill_flops(num_params: float, prompt_positions: int) -> float:
+def prefill_projection_flops(num_params: float, prompt_positions: int) -> float:
     """2·P·S: projections only; attention pairs are counted apart (attention.py)."""
     return 2 * num_params * prompt_positions
 
 
 def prefill_time_s(num_params: float, prompt_positions: int, num_chips: int, peak_flops_per_s: float, utilisation: float) -> float:
     """2·P·S/(N·C·η)."""
-    return prefill_flops(num_params, prompt_positions) / (num_chips * peak_flops_per_s * utilisation)
+    return prefill_projection_flops(num_params, prompt_positions) / (num_chips * peak_flops_per_s * utilisation)
 
 
 def total_time_s(ttft_s: float, step_s: float, output_tokens: int) -> float:

@@ -43,10 +43,7 @@ class Derived:
 
     @cached_property
     def kv_bytes_per_position(self) -> float:
-        m = self.inputs.model
-        return kv.kv_bytes_per_position(
-            m.num_layers, m.num_kv_heads, m.head_dim, self.inputs.bytes_per_kv_element, self.inputs.kv_scale_bytes
-        )
+        return self.inputs.model.arch.kv_bytes_per_position(self.inputs.bytes_per_kv_element, self.inputs.kv_scale_bytes)
 
     @cached_property
     def kv_bytes_per_request(self) -> float:
@@ -67,7 +64,7 @@ class Derived:
         share = self.weight_share(num_chips)
         return place(
             layout or i.kv_layout, num_chips or i.num_chips, i.model.num_params, i.bytes_per_weight,
-            i.model.num_kv_heads, self.kv_bytes_per_request, self.kv_bytes_per_request_allocated,
+            i.model.arch.num_kv_heads, self.kv_bytes_per_request, self.kv_bytes_per_request_allocated,
             i.shared_prefix_positions * self.kv_bytes_per_position if read_once else 0.0,
             share.weight_bytes if isinstance(share, WeightShare) else None,
         )
@@ -126,11 +123,7 @@ def _weight_share(inputs: PlanInputs, num_chips: int) -> WeightShare | str:
         return "the model's full shape is unknown (tied embeddings not stated: a round P, a custom or overridden shape)"
     try:
         storage = weight_shares.storage_for(inputs.weight_format, inputs.bytes_per_weight, m.stored_bytes_per_weight)
-        return weight_shares.weight_share(
-            num_layers=m.num_layers, d_model=m.d_model, ffn_width=m.ffn_width, num_query_heads=m.num_query_heads,
-            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
-            tied_embeddings=m.tied_embeddings, attention_bias=m.attention_bias, num_chips=num_chips, storage=storage,
-        )  # fmt: skip
+        return weight_shares.weight_share(m.arch, num_chips, storage)
     except ShareUnknown as exc:
         return str(exc)
 

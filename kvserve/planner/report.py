@@ -22,10 +22,11 @@ def _named(name: str | None) -> str:
 
 def _inputs_table(plan: Plan) -> Table:
     i, m, c = plan.inputs, plan.inputs.model, plan.inputs.chip
+    a = m.arch
     price = "n/a" if c.cost_usd_per_chip_s is None else f"{c.cost_usd_per_chip_s * 3600:g} USD/h"
     rows = [
-        ("model", f"{m.name}: L={m.num_layers} D={m.d_model} F={m.ffn_width} N_q={m.num_query_heads} "
-                  f"N_kv={m.num_kv_heads} H={m.head_dim} V={m.vocab_size} P={num(m.num_params)}"),
+        ("model", f"{m.name}: L={a.num_layers} D={a.hidden_size} F={a.intermediate_size} N_q={a.num_heads} "
+                  f"N_kv={a.num_kv_heads} H={a.head_dim} V={a.vocab_size} P={num(m.num_params)}"),
         ("chip", f"{c.name}: HBM {show(c.hbm_bytes, 'B')}, β {show(c.hbm_bytes_per_s, 'B/s')}, "
                  f"C {num(c.peak_flops_per_s)} FLOP/s, {price}, link {show(c.link_bytes_per_s, 'B/s')} α {show(c.link_latency_s, 's')}"),
         ("deployment", f"N={i.num_chips} chips, layout {i.kv_layout}, p_w={num(i.bytes_per_weight)} B{_named(i.weight_format)}, "

@@ -55,6 +55,11 @@ def step_time(placement: Placement, batch: int, peak_flops_per_s: float, hbm_byt
     )
 
 
+def step_read_bytes(weight_bytes: float, kv_bytes_per_request: float, batch: int) -> float:
+    """W + B·K: what one decode step reads, every weight once and each request's KV."""
+    return weight_bytes + batch * kv_bytes_per_request
+
+
 def read_only_step_s(weight_bytes: float, kv_bytes_per_request: float, batch: int, hbm_bytes_per_s: float) -> float:
     """(W + B·K)/β, the §4 read-only view; its throughput B/t tends to β/K as B grows."""
-    return (weight_bytes + batch * kv_bytes_per_request) / hbm_bytes_per_s
+    return step_read_bytes(weight_bytes, kv_bytes_per_request, batch) / hbm_bytes_per_s

@@ -21,7 +21,7 @@ def build(d) -> list:
 
 
 def kv_section(d) -> list[Q]:
-    i, m = d.inputs, d.inputs.model
+    i, m = d.inputs, d.inputs.model.arch
     c_kv, S, B = d.kv_bytes_per_position, i.history_positions, d.decode_batch
     rho = d.placement().kv_replication_factor
     b = i.kv_block_positions
@@ -40,7 +40,7 @@ def kv_section(d) -> list[Q]:
         c_kv_q,
         Q("kv_bytes_per_request", "logical KV per request at S", d.kv_bytes_per_request, "B", "S·c_kv",
           f"{S}·{num(c_kv)} = {num(d.kv_bytes_per_request)}"),
-        Q("queries_per_kv_head", "Query heads per KV head g", g, "", "g = N_q/N_kv", f"{m.num_query_heads}/{m.num_kv_heads} = {g}"),
+        Q("queries_per_kv_head", "Query heads per KV head g", g, "", "g = N_q/N_kv", f"{m.num_heads}/{m.num_kv_heads} = {g}"),
         Q("gqa_intensity_flops_per_byte", "attention intensity (GQA)", kv.gqa_intensity_flops_per_byte(g, p_kv_eff),
           "FLOP/B", "4·g·S·H / (2·S·H·p_kv) = 2g/p_kv" if not s else "4·g·S·H / (2·S·(H·p_kv + s)) = 2g/(p_kv + s/H)",
           f"2·{g}/{num(p_kv_eff)}",
@@ -67,11 +67,11 @@ def kv_section(d) -> list[Q]:
 
 
 def attention_section(d) -> list[Q]:
-    i, m = d.inputs, d.inputs.model
+    i, m = d.inputs, d.inputs.model.arch
     S0, T, H, Sp = i.history_positions, i.attention_new_positions, m.head_dim, i.prompt_positions
-    heads = f"{m.num_layers}·{m.num_query_heads}"
-    hist = m.num_layers * m.num_query_heads * attention.attention_history_flops(S0, T, H)
-    tri = m.num_layers * m.num_query_heads * attention.attention_triangle_flops(T, H)
+    heads = f"{m.num_layers}·{m.num_heads}"
+    hist = m.num_layers * m.num_heads * attention.attention_history_flops(S0, T, H)
+    tri = m.num_layers * m.num_heads * attention.attention_triangle_flops(T, H)
     half = Sp // 2
     return [
         Q("attention_history_flops", "history term, T new after S0 cached", hist, "FLOP", "L·N_q·4H·T·S0",
@@ -103,9 +103,9 @@ def batch_section(d) -> list[Q]:
         _sharded_weights(d),
     ]
     if i.kv_layout == "heads":
-        per_chip = kv_heads_per_chip(N, m.num_kv_heads)
-        out.append(Q("kv_heads_per_chip", "KV heads per chip", per_chip, "", "max(N_kv/N, 1)", f"max({m.num_kv_heads}/{N}, 1)"))
-        share = f"{num(d.kv_bytes_per_request)}·{per_chip}/{m.num_kv_heads}"
+        per_chip = kv_heads_per_chip(N, m.arch.num_kv_heads)
+        out.append(Q("kv_heads_per_chip", "KV heads per chip", per_chip, "", "max(N_kv/N, 1)", f"max({m.arch.num_kv_heads}/{N}, 1)"))
+        share = f"{num(d.kv_bytes_per_request)}·{per_chip}/{m.arch.num_kv_heads}"
         per_request_formula = "S·c_kv·N_kv,chip/N_kv"
     else:
         share, per_request_formula = f"{num(d.kv_bytes_per_request)}/{N}", "S·c_kv/N (average; whole requests per chip)"
@@ -136,7 +136,7 @@ def batch_section(d) -> list[Q]:
 def _sharded_weights(d) -> Q:
     """The busiest chip's exact weight bytes as the engine splits the model (weight_shares.py):
     what each rank's start-up report prints, and what capacity uses where it is known."""
-    i, m = d.inputs, d.inputs.model
+    i, m = d.inputs, d.inputs.model.arch
     share = d.weight_share()
     label = "weights on the busiest chip, as the engine splits them"
     formula = "Σ rank 0's shards: Q/K/V/O by head (K/V whole past N_kv), gate/up/down F/N, ⌈V/N⌉ vocab rows, norms whole"
@@ -145,7 +145,7 @@ def _sharded_weights(d) -> Q:
                  note=f"n/a: {share}; capacity uses W/N")
     parts = share.parts
     terms = f"{m.num_layers}·{num(share.per_layer_bytes)} + {num(parts['embedding'])}"
-    if not m.tied_embeddings:
+    if not m.tie_word_embeddings:
         terms += f" + {num(parts['lm_head'])}"
     terms += f" + {num(parts['final_norm'])}"
     diff = share.weight_bytes - d.placement().weight_bytes_per_chip
@@ -253,12 +253,12 @@ def _layout_comparison(d) -> list[Q]:
     from kvserve.errors import ConfigError
     from kvserve.planner.layout import check_heads_layout
 
-    i, m = d.inputs, d.inputs.model
+    i, m = d.inputs, d.inputs.model.arch
     out = []
     for layout in KV_LAYOUTS:
         if layout == "heads":
             try:
-                check_heads_layout(i.num_chips, m.num_query_heads, m.num_kv_heads)
+                check_heads_layout(i.num_chips, m.num_heads, m.num_kv_heads)
             except ConfigError as exc:
                 out.append(Q("heads_layout_max_batch", "heads layout: largest batch meeting target", None, "", "", "", note=str(exc)))
                 continue

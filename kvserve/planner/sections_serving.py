@@ -29,7 +29,7 @@ def latency_section(d) -> list[Q]:
     kv_ceiling = p.num_chips * chip.hbm_bytes_per_s / d.kv_bytes_per_request if p.layout == "requests" else \
         chip.hbm_bytes_per_s / p.kv_bytes_per_request_per_chip
     return [
-        Q("prefill_flops", "prefill projection work", latency.prefill_flops(m.num_params, i.prompt_positions), "FLOP",
+        Q("prefill_flops", "prefill projection work", latency.prefill_projection_flops(m.num_params, i.prompt_positions), "FLOP",
           "2·P·S", f"2·{num(m.num_params)}·{i.prompt_positions}", note="forward only: not 6PS; attention pairs apart"),
         Q("prefill_s", "prefill time", d.prefill_s, "s", "2·P·S/(N·C·η)",
           f"2·{num(m.num_params)}·{i.prompt_positions}/({i.num_chips}·{num(chip.peak_flops_per_s)}·{num(i.utilisation)})"),
@@ -51,8 +51,8 @@ def latency_section(d) -> list[Q]:
 
 
 def tp_section(d) -> list[Q]:
-    i, m, chip = d.inputs, d.inputs.model, d.inputs.chip
-    N, B, D, pa = i.num_chips, d.decode_batch, m.d_model, i.bytes_per_activation
+    i, m, chip = d.inputs, d.inputs.model.arch, d.inputs.chip
+    N, B, D, pa = i.num_chips, d.decode_batch, m.hidden_size, i.bytes_per_activation
     bw, alpha = chip.link_bytes_per_s, chip.link_latency_s
     ar = parallel.collective_time_s("allreduce", N, B, D, pa, bw, alpha)
     rs = parallel.collective_time_s("reducescatter", N, B, D, pa, bw, alpha)
@@ -83,7 +83,7 @@ def _replica_chips(d) -> int | None:
             continue
         try:
             if i.kv_layout == "heads":
-                check_heads_layout(m, i.model.num_query_heads, i.model.num_kv_heads)
+                check_heads_layout(m, i.model.arch.num_heads, i.model.arch.num_kv_heads)
         except ConfigError:
             continue
         if capacity.capacity_batch(i.chip.hbm_bytes, i.reserved_bytes_per_chip, d.placement(num_chips=m)) >= 1:
@@ -92,14 +92,14 @@ def _replica_chips(d) -> int | None:
 
 
 def _tp_vs_replicas(d) -> list[Q]:
-    i, m = d.inputs, d.inputs.model
+    i, m = d.inputs, d.inputs.model.arch
     rep = _replica_chips(d)
     if rep is None:
         return [Q("tp_winner", "TP vs independent replicas (batch 1 each)", None, "", "n/m replicas: (n/m)/t_m vs TP: 1/t_n", "",
                   note="no smaller replica fits (or N = 1): nothing to compare")]
 
     def t(chips: int) -> float:
-        comm = parallel.tp_comm_s_per_step(m.num_layers, chips, 1, m.d_model, i.bytes_per_activation,
+        comm = parallel.tp_comm_s_per_step(m.num_layers, chips, 1, m.hidden_size, i.bytes_per_activation,
                                            i.chip.link_bytes_per_s, i.chip.link_latency_s)
         return d.step(1, num_chips=chips).total_s + comm
 

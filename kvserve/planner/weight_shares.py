@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.model.arch import ModelArchitecture
+
 # the packed layout's grid (kvserve/kernels/layouts.py GROUP and BLOCK, kept as numbers so the
 # planner stays torch-free; a test checks they agree)
 GROUP_ROWS = 16
@@ -156,23 +158,21 @@ def _matrix_bytes(storage: WeightStorage, name: str, full: tuple[int, int], cut:
     return r * c // 2 + 4 * r * (c // BLOCK_COLS)  # int4: 4-bit codes, fp16 scale and min per block of 32
 
 
-def weight_share(
-    *, num_layers: int, d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int, head_dim: int,
-    vocab_size: int, tied_embeddings: bool, attention_bias: bool, num_chips: int, storage: WeightStorage, rank: int = 0,
-) -> WeightShare:
+def weight_share(arch: ModelArchitecture, num_chips: int, storage: WeightStorage, rank: int = 0) -> WeightShare:
     """Rank `rank`'s weights (default 0, the busiest: the most vocabulary rows) on `num_chips`
     tensor-parallel chips. ShareUnknown where the engine would refuse the split."""
-    shape = (num_layers, d_model, ffn_width, num_query_heads, num_kv_heads, head_dim, vocab_size, tied_embeddings,
-             attention_bias, storage)  # fmt: skip
-    slices = rank_slices(num_query_heads, num_kv_heads, ffn_width, vocab_size, rank, num_chips)
+    a = arch
+    shape = (a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size,
+             a.tie_word_embeddings, a.attention_bias, storage)  # fmt: skip
+    slices = rank_slices(a.num_heads, a.num_kv_heads, a.intermediate_size, a.vocab_size, rank, num_chips)
     parts, params = _rank_parts(slices, *shape)
     if storage.kind != "float":  # the engine refuses if any rank's cut falls inside a packed group or block
         for r in range(num_chips):
             if r != rank:
-                _rank_parts(rank_slices(num_query_heads, num_kv_heads, ffn_width, vocab_size, r, num_chips), *shape)
+                _rank_parts(rank_slices(a.num_heads, a.num_kv_heads, a.intermediate_size, a.vocab_size, r, num_chips), *shape)
     total = sum(parts.values())
     total = int(total) if float(total).is_integer() else total
-    return WeightShare(num_chips, storage, params, total, parts, num_layers, slices.kv_replication)
+    return WeightShare(num_chips, storage, params, total, parts, a.num_layers, slices.kv_replication)
 
 
 def _rank_parts(s: RankSlices, L, D, F, nq, nkv, H, V, tied, bias, storage) -> tuple[dict, int]:

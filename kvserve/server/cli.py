@@ -79,10 +79,12 @@ def register(subparsers) -> None:
     )
     for flag, kind in _SAMPLING_FLAGS:
         s.add_argument(flag, type=kind, default=None, help="default for requests that leave it unset")
-    p.set_defaults(func=_serve)
+    p.set_defaults(func=serve)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, build_engine=None) -> int:
+    """`build_engine(engine_config)`: the AsyncLLMEngine to serve (by default a plain one; a test
+    may build one with a fault in it, tests/support/faulty_server.py)."""
     from kvserve.server.config import ServerConfig
     from kvserve.server.runner import run_server
 
@@ -108,10 +110,11 @@ def _serve(args: argparse.Namespace) -> int:
         kv_role=args.role, kv_transfer_failure=args.kv_transfer_failure, kv_transfer_timeout_s=args.kv_transfer_timeout,
         kv_transport=args.kv_transport, kv_transfer_listen=args.kv_transfer_listen,
     )  # fmt: skip
-    from kvserve.distributed.launch import launched_by_torchrun, run_worker
+    from kvserve.distributed.launch import launched_by_torchrun
+    from kvserve.engine.tp_worker import run_worker
 
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         # torchrun started every rank: rank 0 serves HTTP and schedules, the others follow its steps
         run_worker(engine_config)
         return 0
-    return run_server(engine_config, server_config, log_level=args.log_level)
+    return run_server(engine_config, server_config, log_level=args.log_level, build_engine=build_engine)

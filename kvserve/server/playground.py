@@ -161,10 +161,10 @@ def _quantile(cumulative: list[tuple[float, float]], q: float) -> float | None:
 
 
 def _served_shape(ctx: ServingContext):
-    from kvserve.planner.models import from_architecture
+    from kvserve.planner.models import PlannedModel
 
     arch = ctx.engine.engine.arch
-    return from_architecture(arch, ctx.model_name, arch.num_params, note=f"the model this server runs ({arch.architecture})")
+    return PlannedModel(ctx.model_name, arch, arch.num_params, note=f"the model this server runs ({arch.architecture})")
 
 
 def _chips() -> dict:
@@ -187,11 +187,10 @@ def presets(ctx: ServingContext) -> dict:
 
 
 def _shape_json(m, key: str) -> dict:
-    return {
-        "key": key, "name": m.name, "num_layers": m.num_layers, "d_model": m.d_model, "ffn_width": m.ffn_width,
-        "num_query_heads": m.num_query_heads, "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-        "vocab_size": m.vocab_size, "num_params": m.num_params, "note": m.note,
-    }
+    from kvserve.planner.models import SEED_NAMES
+
+    shape = m.as_json()
+    return {"key": key, **{k: shape[k] for k in ("name", *SEED_NAMES, "num_params", "note")}}
 
 
 def _chip_json(c, key: str) -> dict:

@@ -183,7 +183,7 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # a handoff's result (engine._handoff_result)
+    kv_transfer_params: dict[str, Any] | None = None  # a handoff's result (KVConnector.handoff_result)
 
 
 class TopLogprob(BaseModel):
@@ -240,7 +240,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # a handoff's result (engine._handoff_result)
+    kv_transfer_params: dict[str, Any] | None = None  # a handoff's result (KVConnector.handoff_result)
 
 
 def _drop_nulls(handler, model) -> dict:

@@ -20,11 +20,13 @@ import asyncio
 import ipaddress
 import signal
 import sys
+from typing import Callable
 
 import uvicorn
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.describe import describe
 from kvserve.engine.gc_policy import freeze_after_startup
 from kvserve.server.api import build_app
 from kvserve.server.config import ServerConfig
@@ -35,12 +37,15 @@ _ABORT_GRACE_S = 5.0
 EXIT_ENGINE_DEAD = 1
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
-    engine = AsyncLLMEngine(engine_config)
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info",
+               build_engine: Callable[[EngineConfig], AsyncLLMEngine] | None = None) -> int:  # fmt: skip
+    """`build_engine`: how this process builds its engine, the first and after a restart."""
+    build_engine = build_engine or AsyncLLMEngine
+    engine = build_engine(engine_config)
     freeze_after_startup()
     ctx: ServingContext | None = None
     try:
-        _say(engine.engine.describe())
+        _say(describe(engine.engine))
         app = build_app(engine, server_config)
         ctx = app.state.ctx
         _say(ctx.sampling_defaults.describe())
@@ -55,7 +60,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
             lifespan="off",
         )
         server = _Server(uv_config, ctx, server_config)
-        supervisor = EngineSupervisor(ctx, engine_config, server_config.restart_engine, server.exit_soon)
+        supervisor = EngineSupervisor(ctx, engine_config, server_config.restart_engine, server.exit_soon, build_engine)
         # uvicorn re-raises the signal it shut down on into the handler it found; make
         # that one a no-op so a graceful SIGTERM ends in exit status 0, not death by signal
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -20,18 +20,20 @@ import time
 from typing import Callable
 
 from kvserve.config import EngineConfig
-from kvserve.engine.allocator import release_free_memory
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.gc_policy import freeze_after_startup, thaw
+from kvserve.memory import release_free_memory
 from kvserve.server.context import ServingContext
 
 CRASH_LOOP_S = 60.0
 
 
 class EngineSupervisor:
-    def __init__(self, ctx: ServingContext, engine_config: EngineConfig, restart: bool, exit_server: Callable[[], None]):
+    def __init__(self, ctx: ServingContext, engine_config: EngineConfig, restart: bool, exit_server: Callable[[], None],
+                 build_engine: Callable[[EngineConfig], AsyncLLMEngine] = AsyncLLMEngine):  # fmt: skip
         self.ctx = ctx
         self.engine_config = engine_config
+        self.build_engine = build_engine
         self.restart = restart
         self.exit_server = exit_server
         self.restarts = 0
@@ -60,7 +62,7 @@ class EngineSupervisor:
             gc.collect()
             release_free_memory()
             start = time.perf_counter()
-            new = AsyncLLMEngine(self.engine_config)
+            new = self.build_engine(self.engine_config)
             freeze_after_startup()
         except BaseException as exc:  # cannot come back: exit 1 as without restarting
             _say(f"the engine could not be restarted ({exc!r}); shutting down")

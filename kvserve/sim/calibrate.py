@@ -19,7 +19,7 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvserve.bench.machine import cpu_model
+from kvserve.loadgen.machine import cpu_model
 from kvserve.sim.measure import Grid, Sample, measure, num_points
 from kvserve.sim.step_model import StepTimeModel, default_model_path, errors, fit
 
@@ -54,13 +54,14 @@ def calibrate_in_process(config, grid: Grid = Grid(), output: str | Path | None 
     """The engine `config` describes, timed in this process; returns (model, its errors, the file)."""
     from tqdm import tqdm
 
+    from kvserve.engine.describe import step_log_header
     from kvserve.engine.engine import LLMEngine
 
     engine = LLMEngine(config)
     try:
         with tqdm(total=num_points(grid), desc="timing engine steps", unit="shape", disable=not progress, leave=False) as bar:
             samples = measure(engine, grid, seed=seed, progress=lambda: bar.update(1))
-        described = engine.describe_for_step_log()
+        described = step_log_header(engine)
     finally:
         engine.close()
     return _fit_and_save(samples, described, "in process", output, {})

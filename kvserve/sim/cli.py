@@ -16,9 +16,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.bench.stats import SLO
 from kvserve.errors import ConfigError
+from kvserve.loadgen.stats import SLO
 from kvserve.router.policy import POLICIES
+from kvserve.sim import plan_commands
 
 MS = 1e-3
 
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
                               "meeting SLOs, cost", description=__doc__.split("\n\n")[0])  # fmt: skip
     add_flags(p)
     p.set_defaults(func=_run)
+    plan_commands.register(subparsers)  # and `plan check-sim`, `plan calibrate --engine`
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -100,7 +102,7 @@ def step_model(args):
         raise ConfigError("--chip", "give --step-model or --chip, not both")
     if args.model is None:
         raise ConfigError("--model", "--chip needs --model")
-    from kvserve.planner import formats, hardware, kv, models
+    from kvserve.planner import formats, hardware, models
 
     shape = models.load_model(args.model)
     chip = hardware.get_chip(args.chip)
@@ -115,7 +117,7 @@ def step_model(args):
         if not 0 < args.bytes_per_weight <= 8:
             raise ConfigError("--bytes-per-weight", f"must be in (0, 8], got {args.bytes_per_weight}")
         p_w = args.bytes_per_weight
-    c_kv = kv.kv_bytes_per_position(shape.num_layers, shape.num_kv_heads, shape.head_dim, p_kv, scale)
+    c_kv = shape.arch.kv_bytes_per_position(p_kv, scale)
     if not 0 < args.utilisation <= 1:
         raise ConfigError("--utilisation", f"must be in (0, 1], got {args.utilisation}")
     return from_datasheet(shape, chip, p_w, c_kv, args.utilisation)

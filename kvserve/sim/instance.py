@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvserve.attention.cascade import SharedPrefixRule
+from kvserve.attention.shared_prefix_plan import SharedPrefixRule
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.disagg.connector import KVTransferParams
 from kvserve.disagg.handoff import KVHandoff

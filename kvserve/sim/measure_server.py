@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvserve.bench.serve_client import completion_payload, send_completion
 from kvserve.errors import ConfigError
+from kvserve.loadgen.client import completion_payload, send_completion
 from kvserve.sim.measure import Grid, Sample
 from kvserve.sim.step_log import read_step_log, read_timeline
 
@@ -211,7 +211,7 @@ def probe_server(base: str, model: str, seed: int, vocab: int) -> dict[str, floa
     the machine has become meanwhile."""
     import statistics
 
-    from kvserve.bench.serve_load import run_at_rate
+    from kvserve.loadgen.load import run_at_rate
 
     rng = np.random.default_rng(seed + 77)
     prompts = [rng.integers(1, vocab, size=PROBE_PROMPT).tolist() for _ in range(PROBE_REQUESTS)]

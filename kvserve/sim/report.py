@@ -1,6 +1,6 @@
 """What a simulated run means to a user: latency percentiles, goodput under SLOs, cost.
 
-Percentiles and goodput use the benchmark's own definitions (bench/stats.py), so a
+Percentiles and goodput use the benchmark's own definitions (loadgen/stats.py), so a
 simulated figure and a measured one are the same statistic. Cost counts every chip for the
 whole run, from the first arrival to the last token: at a low arrival rate the chips sit
 idle between requests and are paid for anyway (the seed's §8 point), which is why the cost
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.bench.stats import SLO, summarize
+from kvserve.loadgen.stats import SLO, summarize
 from kvserve.sim.simulator import SimRun
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvserve.bench.stats import SLO
 from kvserve.errors import ConfigError
+from kvserve.loadgen.stats import SLO
 from kvserve.sim.report import summary
 from kvserve.sim.simulator import Simulator
 from kvserve.sim.workload import WorkloadSpec, build

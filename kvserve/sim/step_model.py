@@ -220,14 +220,20 @@ def errors(model: StepTimeModel, samples) -> dict[str, dict[str, float]]:
 
 def from_datasheet(model, chip, bytes_per_weight: float, kv_bytes_per_position: float, utilisation: float,
                    model_len: int = 1 << 20) -> StepTimeModel:  # fmt: skip
-    """The planner's roofline as a step model (`model`: planner.models.ModelShape, `chip`: planner.hardware.Chip)."""
-    p, c, beta = model.num_params, chip.peak_flops_per_s, chip.hbm_bytes_per_s
+    """The planner's roofline as a step model (`model`: planner.models.PlannedModel, `chip`: planner.hardware.Chip):
+    its step time on one chip for one decode row reading one KV position gives the projections'
+    compute per row, the weight read and the KV read per position; its prefill time of one
+    position, the cost per prompt position."""
+    from kvserve.planner import latency, layout, roofline
+
+    p, c, beta, a = model.num_params, chip.peak_flops_per_s, chip.hbm_bytes_per_s, model.arch
+    one = roofline.step_time(layout.place("heads", 1, p, bytes_per_weight, a.num_kv_heads, kv_bytes_per_position), 1, c, beta)
     return StepTimeModel(
-        per_decode_row=2 * p / c, per_prefill_token=2 * p / (c * utilisation), per_decode_kv=kv_bytes_per_position / beta,
-        weight_read=p * bytes_per_weight / beta, source="datasheet",
+        per_decode_row=one.projection_compute_s, per_prefill_token=latency.prefill_time_s(p, 1, 1, c, utilisation),
+        per_decode_kv=one.kv_read_s, weight_read=one.weight_read_s, source="datasheet",
         label=f"datasheet: {chip.name} (β {beta / 1e9:.4g} GB/s, C {c / 1e12:.4g} TFLOP/s, η {utilisation:g}), "
               "the planner's roofline; not measured",
-        model_name=model.name, num_layers=model.num_layers, d_model=model.d_model, num_kv_heads=model.num_kv_heads,
+        model_name=model.name, num_layers=a.num_layers, d_model=a.hidden_size, num_kv_heads=a.num_kv_heads,
         kv_bytes_per_position=kv_bytes_per_position, model_len=model_len,
     )  # fmt: skip
 

@@ -2,16 +2,17 @@
 
 Read from the scheduler's plan right after `Scheduler.schedule()` (before the step's update
 moves the requests on), the same way in the engine under calibration and in the simulator,
-so the fitted model and the simulated steps see one definition. The shared-prefix decode
-grouping comes from the engine's own rule (attention/cascade.py), so a simulated step reads
-a shared prefix once exactly where the engine would.
+so the fitted model and the simulated steps see one definition. The shared-prefix grouping
+and the count of KV positions read come from the engine's own plan module
+(attention/shared_prefix_plan.py, plain Python), so a simulated step reads a shared prefix
+once exactly where the engine would and counts it as the engine's counters do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvserve.attention.cascade import SharedPrefixRule, find_shared_prefill_prefixes, prefill_positions_read_once
+from kvserve.attention.shared_prefix_plan import SharedPrefixRule, find_shared_prefill_prefixes, kv_positions_read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +72,9 @@ def shape_of(plan, block_size: int, shared_prefix: SharedPrefixRule | None = Non
                 prefill_cached.append(start)
     if shared_prefix is not None:
         if len(prefill_tables) > 1:
-            prefill_kv -= prefill_positions_read_once(find_shared_prefill_prefixes(prefill_tables, prefill_cached, block_size))
+            prefill_kv = kv_positions_read(
+                prefill_kv, prefill_sharing=find_shared_prefill_prefixes(prefill_tables, prefill_cached, block_size)
+            )
         if decode_tables:
-            cascade = shared_prefix.plan(decode_tables, decode_lens, block_size)
-            if cascade is not None:
-                decode_kv += cascade.positions_read_once() - cascade.positions_read_per_request()
+            decode_kv = kv_positions_read(decode_kv, shared_prefix.plan(decode_tables, decode_lens, block_size))
     return StepShape(decode_rows, prefill_tokens, prefill_rows, samples, decode_kv, prefill_pairs, prefill_kv)

@@ -1,6 +1,6 @@
 """What the simulator serves: requests with an arrival time, prompt token ids and an output length.
 
-Arrivals are Poisson or gamma (bench/arrivals.py, the same draw `kvserve bench serve` uses, so
+Arrivals are Poisson or gamma (loadgen/arrivals.py, the same draw `kvserve bench serve` uses, so
 a simulated run and a measured one can share one schedule). Lengths are fixed, uniform, or
 taken in turn from a JSONL trace of prompt/output lengths. A shared-prefix mix puts one of
 `num_prefixes` common prefixes (system prompts) before each request's own tokens, round
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.arrivals import interarrival_gaps_s, send_times_s
 from kvserve.errors import ConfigError
+from kvserve.loadgen.arrivals import interarrival_gaps_s, send_times_s
 
 # a trace line's prompt and output lengths, under the names traces use
 _PROMPT_KEYS = ("prompt_len", "input_len", "prompt_tokens", "num_prompt_tokens", "input_length")

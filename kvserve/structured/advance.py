@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import logging
 
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.request_state import RequestStatus
 
 logger = logging.getLogger(__name__)
 
 Stop = tuple[RequestStatus, "int | str | None"]
 
 
-def advance_structured(request: Request, token: int, stop: Stop | None) -> Stop | None:
+def advance_structured(request, token: int, stop: Stop | None) -> Stop | None:
+    """`request` (an engine Request) has just taken `token`; the stop the rules above make of `stop`."""
     matcher = request.structured
     if matcher is None:
         return stop

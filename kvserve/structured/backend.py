@@ -1,6 +1,6 @@
 """Compile a request's constraint into a grammar for one tokenizer, through llguidance.
 
-llguidance was chosen over xgrammar by measurement (`python -m kvserve.bench.structured_choice`):
+llguidance was chosen over xgrammar by measurement (`python -m benchmarks.structured_choice`):
 it compiles a schema 5-10x faster (0.3-1 ms against 4-5 ms with the default model's
 tokenizer), which matters when every tool-calling request brings its own schema, and it
 needs neither torch nor triton; xgrammar's mask is 2-4x cheaper per step, but both are a

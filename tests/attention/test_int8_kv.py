@@ -9,6 +9,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.describe import describe
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_runner import plan_kv_pool
 from kvserve.errors import ConfigError
@@ -55,9 +56,9 @@ def test_c_kv_counts_the_scales_and_the_pool_holds_about_twice_the_positions(tin
     assert runner.kv_pool.dtype == torch.int8 and runner.kv_scales.dtype == torch.float32
     assert runner.kv_scales.shape == runner.kv_pool.shape[:-1]
     assert runner.kv_pool.nbytes + runner.kv_scales.nbytes == int8_layout.nbytes
-    report = engines["int8"].describe()
+    report = describe(engines["int8"])
     assert "KV cache: int8" in report and f"c_kv {int8_layout.kv_bytes_per_position} bytes/position" in report
-    assert "KV cache: bfloat16" in engines["auto"].describe()
+    assert "KV cache: bfloat16" in describe(engines["auto"])
 
 
 def test_kv_cache_dtype_errors_name_the_field():

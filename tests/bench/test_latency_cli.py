@@ -38,7 +38,7 @@ def test_bad_prompt_lens_flag(capsys):
 
 
 def test_markdown_renders_the_json_with_its_command(tiny_llama, tmp_path, capsys):
-    from kvserve.bench.markdown import render
+    from benchmarks.markdown import render
 
     out = tmp_path / "lat.json"
     assert main(["bench", "latency", "--model", tiny_llama, *SMALL, "--prompt-lens", "16", "--json", str(out)]) == 0

@@ -99,7 +99,7 @@ def test_text_with_unicode_line_separators_is_one_chunk(tmp_path):
 def test_sse_lines_end_at_cr_lf_or_crlf_only(chunks):
     import asyncio
 
-    from kvserve.bench.serve_client import sse_lines
+    from kvserve.loadgen.client import sse_lines
 
     class Response:  # what sse_lines reads of an httpx.Response
         async def aiter_text(self):

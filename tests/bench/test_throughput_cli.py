@@ -40,7 +40,7 @@ def test_compare_hf_runs_both_transformers_modes(tiny_llama, tmp_path, capsys):
 
 
 def test_rounds_take_turns_and_keep_each_engines_fastest(tiny_llama, tmp_path, capsys):
-    from kvserve.bench.markdown import throughput_table
+    from benchmarks.markdown import throughput_table
 
     out = tmp_path / "thr.json"
     assert main(["bench", "throughput", "--model", tiny_llama, *TINY, "--compare", "hf", "--hf-modes", "generate",

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.disagg.transport import FaultyTransport
+from tests.support.faults import FaultyTransport
 
 PROMPTS = [list(range(10, 31)), [5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(40, 47))]
 _ids = itertools.count()

@@ -5,7 +5,6 @@ the handoff is measured, and every instance ends with its KV free."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -24,11 +23,11 @@ FLAGS = ["--dtype", "float32", "--device", "cpu", "--threads", "1", "--no-cpu-ke
          "--max-model-len", "512"]  # fmt: skip
 
 
-def _launch(model, log, *extra, env=None):
+def _launch(model, log, *extra):
     """`kvserve serve --disaggregation 1P1D`: (process, router URL, {role: server URL})."""
     out = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", model, *FLAGS, "--disaggregation", "1P1D",
-                             "--port", "0", *extra], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})  # fmt: skip
+                             "--port", "0", *extra], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 180
     while not _ROUTER.search(log.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -138,12 +137,25 @@ def test_over_torch_distributed_point_to_point(pd, tmp_path):
         _stop(proc)
 
 
+def _launch_stalled(model, tmp_path, stall_s):
+    """1P1D as `--disaggregation` starts it, but the decode server's every handoff held back
+    `stall_s` (the stalling test transport, tests/support/faulty_server.py): (processes, router URL)."""
+    from tests.router.test_router import RouterProcess
+
+    flags = FLAGS[6:]  # FLAGS but what ServerProcess passes itself
+    prefill = ServerProcess(model, tmp_path / "prefill.log", *flags, "--role", "prefill")
+    decode = ServerProcess(model, tmp_path / "decode.log", *flags, "--role", "decode", "--kv-stall-s", str(stall_s),
+                           module="tests.support.faulty_server")  # fmt: skip
+    front = RouterProcess([], tmp_path / "router.log", "--prefill", prefill.url, "--decode", decode.url)
+    return [front.stop, prefill.kill, decode.kill], front.url
+
+
 def test_a_stream_gets_its_first_token_before_the_handoff_arrives(pd, tmp_path):
     """Every handoff held back 3 s on the decode side (the stalling test transport): a
     streaming client still gets its first token as soon as the prefill instance has it, then
     the rest, the same text as a colocated server's, in one completion's chunks."""
     stall = 3.0
-    proc, router, _ = _launch(pd["model"], tmp_path / "stall.log", env={"KVSERVE_TEST_KV_STALL_S": str(stall)})
+    stops, router = _launch_stalled(pd["model"], tmp_path, stall)
     try:
         kw = dict(model=pd["reference"].model_name, max_tokens=8, temperature=0)
         ref = _client(pd["reference"].url)
@@ -167,7 +179,8 @@ def test_a_stream_gets_its_first_token_before_the_handoff_arrives(pd, tmp_path):
         assert "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices) == want
         assert sum(1 for c in rest if c.choices and c.choices[0].delta.role) == 0  # one role chunk
     finally:
-        _stop(proc)
+        for stop in stops:
+            stop()
 
 
 def test_a_server_refuses_the_half_its_role_does_not_take(pd):

@@ -14,6 +14,7 @@ import torch
 from kvserve import LLM
 from kvserve.cli import main
 from kvserve.distributed.sharding import plan_shard, shard_weights
+from kvserve.engine.describe import tensor_parallel_line
 from kvserve.errors import ConfigError
 from kvserve.kernels import cpu_ops, layouts
 from kvserve.model import quant_formats
@@ -62,12 +63,7 @@ def _nbytes(weights: dict) -> int:
 
 
 def _planner_share(arch: ModelArchitecture, world: int, storage: WeightStorage, rank: int = 0):
-    return weight_shares.weight_share(
-        num_layers=arch.num_layers, d_model=arch.hidden_size, ffn_width=arch.intermediate_size,
-        num_query_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-        vocab_size=arch.vocab_size, tied_embeddings=arch.tie_word_embeddings, attention_bias=arch.attention_bias,
-        num_chips=world, storage=storage, rank=rank,
-    )  # fmt: skip
+    return weight_shares.weight_share(arch, world, storage, rank=rank)
 
 
 def _sharded(arch, world, rank, weights) -> dict:
@@ -195,6 +191,6 @@ def test_per_rank_weight_bytes_are_the_planners(tiny_model_dirs, tmp_path, capsy
             q = json.loads(capsys.readouterr().out)["quantities"]
             assert q["weight_bytes_per_chip_sharded"]["value"] == held, layout
             assert q["weight_bytes_per_chip"]["value"] != held  # the seed's even split is not what a rank holds
-        assert f"weights {held:,} bytes" in engine.tensor_parallel_line()
+        assert f"weights {held:,} bytes" in tensor_parallel_line(engine)
     finally:
         llm.engine.close()

@@ -11,6 +11,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.describe import tensor_parallel_line
 from kvserve.engine.kv_placement import RequestShardedKVCache
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
@@ -31,7 +32,7 @@ def test_greedy_tokens_equal_one_process(tiny_model_dirs, variant):
         got, engine = _run(model, world)
         assert got == expected, f"TP {world}"
         assert engine.requests_layout and engine.kv_cache.prefix_hits == one.kv_cache.prefix_hits > 0
-        assert "KV layout requests" in engine.tensor_parallel_line()
+        assert "KV layout requests" in tensor_parallel_line(engine)
 
 
 def test_requests_spread_over_the_ranks_and_each_rank_caches_its_own_prefixes(tiny_model_dirs):
@@ -85,7 +86,7 @@ def test_per_rank_kv_bytes_are_the_planners(tiny_model_dirs, capsys):
         assert q["kv_bytes_per_position"]["value"] == engine.layout.kv_bytes_per_position
         assert q["kv_bytes_per_request"]["value"] == engine.layout.kv_bytes_per_position * S
         assert q["kv_replication_factor"]["value"] == 1
-        assert f"{engine.layout.kv_bytes_per_position * S:,} bytes per request" in engine.tensor_parallel_line()
+        assert f"{engine.layout.kv_bytes_per_position * S:,} bytes per request" in tensor_parallel_line(engine)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     finally:
         llm.engine.close()

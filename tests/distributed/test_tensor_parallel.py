@@ -12,6 +12,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.distributed.launch import free_port
 from kvserve.distributed.sharding import plan_shard
+from kvserve.engine.describe import describe, tensor_parallel_line
 from kvserve.errors import ConfigError
 from kvserve.model.arch import ModelArchitecture
 from tests.support.tensor_parallel import GREEDY, PROMPTS
@@ -65,7 +66,7 @@ def test_shared_memory_and_gloo_allreduce_give_the_same_tokens(tiny_model_dirs):
     expected, _ = _tokens(model, 1)
     for mode, shown in (("auto", "AllReduce: shared memory"), ("gloo", "AllReduce: gloo")):
         got, engine = _tokens(model, 2, tensor_parallel_allreduce=mode)
-        assert got == expected and shown in engine.describe(), mode
+        assert got == expected and shown in describe(engine), mode
 
 
 def test_with_preemption_and_chunked_prefill(tiny_model_dirs):
@@ -96,7 +97,7 @@ def test_default_model_at_tp_3(formats):
         llm = LLM(None, tensor_parallel_size=tp, kv_cache_memory="32MiB", distributed_timeout_s=60, **formats)
         try:
             texts.append([o.outputs[0].text for o in llm.generate(prompts, params)])
-            engines.append(llm.engine.describe())
+            engines.append(describe(llm.engine))
         finally:
             llm.engine.close()
     assert texts[0] == texts[1]
@@ -132,11 +133,11 @@ def test_start_up_report_gives_each_ranks_share(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama-8x2"], tensor_parallel_size=4, dtype="float32", cpu_kernels=False,
               kv_cache_memory="2MiB", distributed_timeout_s=30)  # fmt: skip
     try:
-        line = llm.engine.tensor_parallel_line()
+        line = tensor_parallel_line(llm.engine)
         # rank 0 of 4 over 2 KV heads: 2 of the 8 query heads, KV head 0 held by 2 ranks
         assert "rank 0 of 4: query heads [0, 2), KV heads [0, 1) (each held by 2 ranks)" in line
         c_kv = 2 * 2 * 1 * 16 * 4  # K and V, 2 layers, 1 KV head, head_dim 16, fp32
-        assert f"KV {c_kv:,} bytes/position" in line and line in llm.engine.describe()
+        assert f"KV {c_kv:,} bytes/position" in line and line in describe(llm.engine)
     finally:
         llm.engine.close()
 
@@ -284,6 +285,6 @@ def test_per_rank_kv_bytes_are_the_planners(tiny_model_dirs, capsys, world):
         q = json.loads(capsys.readouterr().out)["quantities"]
         assert q["kv_heads_per_chip"]["value"] == engine.shard.num_kv_heads
         assert q["kv_bytes_per_request_per_chip"]["value"] == engine.layout.kv_bytes_per_position * S
-        assert f"{engine.layout.kv_bytes_per_position * S:,} bytes per request" in engine.tensor_parallel_line()
+        assert f"{engine.layout.kv_bytes_per_position * S:,} bytes per request" in tensor_parallel_line(engine)
     finally:
         llm.engine.close()

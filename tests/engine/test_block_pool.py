@@ -1,15 +1,15 @@
 """The block pool's rules, checked directly: LRU reuse and eviction, tail-first freeing,
 reference counts of shared prefix blocks, the hash chain, and reset_prefix_cache.
 
-Each test checks one behaviour of kvserve/engine/block_pool.py or kv_cache.py and fails if
-that behaviour breaks. No model: requests are token-id lists.
+Each test checks one behaviour of kvserve/engine/block_pool.py, prefix_cache.py or
+kv_cache.py and fails if that behaviour breaks. No model: requests are token-id lists.
 """
 
 from __future__ import annotations
 
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.request import hash_block
+from kvserve.engine.prefix_cache import hash_block
 from tests.support.requests import make_request
 
 BS = 4

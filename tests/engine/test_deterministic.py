@@ -11,6 +11,7 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.describe import describe
 from kvserve.errors import ConfigError
 from kvserve.kernels import unavailable_reason
 
@@ -49,7 +50,7 @@ def case(request):
 
 def test_one_at_a_time_equals_all_together(case):
     llm = case["llm"]
-    assert "deterministic: every attention row through the decode kernel" in llm.engine.describe()
+    assert "deterministic: every attention row through the decode kernel" in describe(llm.engine)
     alone = []
     for p in PROMPTS:
         llm.engine.reset_prefix_cache()  # nothing cached from the others either

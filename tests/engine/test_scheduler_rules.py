@@ -12,7 +12,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from kvserve.engine.request import RequestStatus
+from kvserve.request_state import RequestStatus
 from tests.support.requests import advance, make_request, make_scheduler, step
 
 

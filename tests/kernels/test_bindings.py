@@ -220,7 +220,7 @@ def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64,
     angles = torch.arange(64).float()[:, None] * torch.rand(head_dim // 2, generator=g)[None]
     scales = {}
     if int8:
-        from kvserve.attention.paged import quantize_kv
+        from kvserve.attention.kv_pool import quantize_kv
 
         quantized = [quantize_kv(p) for p in pools]
         pools = [q for q, _ in quantized]

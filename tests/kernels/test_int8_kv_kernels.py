@@ -1,12 +1,13 @@
 """The kernels' int8 KV paths (rope_and_cache_int8, decode and prefill attention over int8
-pools, the fused decode step) agree with the plain-torch int8 reference (kvserve/attention/paged.py)."""
+pools, the fused decode step) agree with the plain-torch int8 reference (kvserve/attention/reference.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvserve.attention.paged import decode_attention, prefill_attention, quantize_kv
+from kvserve.attention.kv_pool import quantize_kv
+from kvserve.attention.reference import decode_attention, prefill_attention
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.arch import ModelArchitecture

@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from kvserve.config import EngineConfig
+from kvserve.engine.describe import describe
 from kvserve.errors import ConfigError
 from kvserve.kernels import cpu_ops, isa
 from kvserve.kernels.build import BUILDS, HERE, LEVEL_BUILD, build_for
@@ -186,6 +187,6 @@ def test_the_start_up_report_names_the_forced_level(level, tiny_model_dirs):
                                     kv_cache_memory="4MiB", cpu_isa=level))  # fmt: skip
     build = build_for(level)
     assert engine.kernels.level == build.level
-    report = engine.describe()
+    report = describe(engine)
     assert f"kernels: kvserve CPU kernels at the {build.level} level" in report
     assert f"families: argmax {build.level}" in report

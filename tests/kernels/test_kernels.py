@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_bias
-from kvserve.attention.paged import decode_attention, prefill_attention
+from kvserve.attention.reference import decode_attention, prefill_attention
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kernels import cpu_ops, unavailable_reason

@@ -1,5 +1,5 @@
 """Prefill chunks over a shared cached prefix (several new prompts hitting the same system
-prompt in one step): the grouping (attention/cascade.py find_shared_prefill_prefixes), the
+prompt in one step): the grouping (attention/shared_prefix_plan.py find_shared_prefill_prefixes), the
 plain-torch path gathering the shared K/V once, and the prefill kernel reading a leader's
 packed tiles. Reading once must give the same bits as reading per segment."""
 
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention.cascade import PREFILL_SHARE_MULTIPLE, find_shared_prefill_prefixes, prefill_positions_read_once
+from kvserve.attention.kv_pool import quantize_kv
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_bias
-from kvserve.attention.paged import prefill_attention, quantize_kv
+from kvserve.attention.reference import prefill_attention
+from kvserve.attention.shared_prefix_plan import PREFILL_SHARE_MULTIPLE, find_shared_prefill_prefixes, prefill_positions_read_once
 from kvserve.kernels import cpu_ops, unavailable_reason
 
 ops = cpu_ops()

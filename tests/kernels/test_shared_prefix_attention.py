@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvserve.attention.paged import dequantize_kv, quantize_kv
+from kvserve.attention.kv_pool import dequantize_kv, quantize_kv
 from kvserve.kernels import cpu_ops, unavailable_reason
 
 ops = cpu_ops()
@@ -128,7 +128,7 @@ def test_shared_prefix_refuses_a_length_past_its_blocks_and_int8_pools_without_s
 
 
 def _int8(k, v):
-    """bf16 pools quantized by the engine's rule (attention/paged.py quantize_kv), and the
+    """bf16 pools quantized by the engine's rule (attention/kv_pool.py quantize_kv), and the
     values they stand for (the reference reads these)."""
     (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
     return k8, v8, ks, vs, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32)

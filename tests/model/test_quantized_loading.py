@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve.engine.describe import describe
 from kvserve.engine.llm import LLM
 from kvserve.errors import ConfigError
 from kvserve.kernels import cpu_ops
@@ -48,7 +49,7 @@ def test_auto_runs_a_gguf_in_its_own_format_close_to_the_fp32_reference(quant_gg
     path = str(quant_ggufs[qtype])
     native = LLM(path, kv_cache_memory="8MiB")
     assert _kinds(native) == {"cpu-quant"}
-    report = native.engine.describe()
+    report = describe(native.engine)
     assert qtype in report and "int8 dot" in report
     reference = LLM(path, kv_cache_memory="8MiB", dtype="float32")  # the file's weights dequantized to fp32
     assert "cpu-quant" not in _kinds(reference)
@@ -80,7 +81,7 @@ def test_float_checkpoints_are_quantized_at_load(tiny_model_dirs, quantization, 
     path = tiny_model_dirs["llama-hd64"]
     llm = LLM(path, kv_cache_memory="8MiB", quantization=quantization)
     assert _kinds(llm) == {"cpu-quant"}
-    assert source in llm.engine.describe()
+    assert source in describe(llm.engine)
     bf16 = LLM(path, kv_cache_memory="8MiB")
     assert llm.engine.model.weight_bytes() < bf16.engine.model.weight_bytes() * (0.6 if quantization == "int8" else 0.45)
     ref = LLM(path, kv_cache_memory="8MiB", dtype="float32")

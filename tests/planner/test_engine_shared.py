@@ -11,23 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvserve.engine.describe import describe
 from kvserve.errors import UnsupportedModelError
-from kvserve.model.arch import ModelArchitecture
+from kvserve.model.arch import ModelArchitecture, llama_num_params
 from kvserve.model.gguf_metadata import open_gguf, read_architecture
 from kvserve.planner import from_gguf, from_hf_config, hardware, kv
-from kvserve.planner.models import llama_num_params
 from tests.planner.conftest import transformers_param_count
 from tests.planner.test_models import _write_tiny_gguf
 from tests.support.tiny_gguf import write_gguf
 
-ENGINE_FIELDS = {  # planner ModelShape field: engine ModelArchitecture field
-    "num_layers": "num_layers", "d_model": "hidden_size", "ffn_width": "intermediate_size",
-    "num_query_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
-}
+ENGINE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 
 
 def _same_shape(shape, arch: ModelArchitecture) -> None:
-    assert {f: getattr(shape, f) for f in ENGINE_FIELDS} == {f: getattr(arch, a) for f, a in ENGINE_FIELDS.items()}
+    assert {f: getattr(shape.arch, f) for f in ENGINE_FIELDS} == {f: getattr(arch, f) for f in ENGINE_FIELDS}
 
 
 def test_planner_reads_hf_config_and_gguf_without_torch(tmp_path):
@@ -89,7 +86,7 @@ def test_planner_plans_what_the_engine_refuses(tmp_path):
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": text}))
     shape = from_hf_config(tmp_path)
-    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (4, 2, 8)
+    assert (shape.arch.num_layers, shape.arch.num_kv_heads, shape.arch.head_dim) == (4, 2, 8)
     with pytest.raises(UnsupportedModelError, match="rope scaling 'yarn'"):
         ModelArchitecture.from_hf_config(text)
 
@@ -108,7 +105,7 @@ def test_planner_plans_what_the_engine_refuses(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     shape = from_gguf(path)
-    assert (shape.num_layers, shape.d_model, shape.num_kv_heads, shape.vocab_size) == (2, 32, 4, 50)
+    assert (shape.arch.num_layers, shape.arch.hidden_size, shape.arch.num_kv_heads, shape.arch.vocab_size) == (2, 32, 4, 50)
     with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'falcon'"):
         read_architecture(open_gguf(path))
 
@@ -154,4 +151,4 @@ def test_planner_kv_bytes_per_position_is_the_engines_report(tiny_model_dirs, ca
     assert main(["plan", "run", "--model", model, "--chip", "h100", "--kv-cache-dtype", kv_cache_dtype, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["quantities"]["kv_bytes_per_position"]["value"]
     assert planned == engine.layout.kv_bytes_per_position
-    assert f"c_kv {engine.layout.kv_bytes_per_position} bytes/position" in engine.describe()
+    assert f"c_kv {engine.layout.kv_bytes_per_position} bytes/position" in describe(engine)

@@ -10,7 +10,8 @@ import pytest
 
 from kvserve.errors import ModelLoadError
 from kvserve.planner import MODEL_PRESETS, from_gguf, from_hf_config, load_model
-from kvserve.planner.models import llama_num_params, with_overrides
+from kvserve.model.arch import llama_num_params
+from kvserve.planner.models import with_overrides
 from tests.planner.conftest import transformers_param_count
 
 
@@ -27,8 +28,8 @@ def test_hf_config_json(tmp_path):
               "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = from_hf_config(tmp_path)
-    assert (shape.num_layers, shape.d_model, shape.num_kv_heads, shape.head_dim) == (4, 64, 2, 8)
-    assert shape.queries_per_kv_head == 4
+    assert (shape.arch.num_layers, shape.arch.hidden_size, shape.arch.num_kv_heads, shape.arch.head_dim) == (4, 64, 2, 8)
+    assert shape.arch.queries_per_kv_head == 4
     assert shape.num_params == llama_num_params(4, 64, 160, 8, 2, 8, 1000, tied_embeddings=True)
     assert load_model(str(tmp_path / "config.json")) == shape
 
@@ -71,9 +72,9 @@ def test_gguf_metadata(tmp_path):
     path = tmp_path / "tiny.gguf"
     num_params = _write_tiny_gguf(path)
     shape = from_gguf(path)
-    assert (shape.num_layers, shape.d_model, shape.ffn_width) == (2, 32, 96)
-    assert (shape.num_query_heads, shape.num_kv_heads, shape.head_dim) == (4, 2, 8)
-    assert shape.vocab_size == 50  # from the token list: no llama.vocab_size written
+    assert (shape.arch.num_layers, shape.arch.hidden_size, shape.arch.intermediate_size) == (2, 32, 96)
+    assert (shape.arch.num_heads, shape.arch.num_kv_heads, shape.arch.head_dim) == (4, 2, 8)
+    assert shape.arch.vocab_size == 50  # from the token list: no llama.vocab_size written
     assert shape.num_params == num_params
     assert load_model(str(path)) == shape
 

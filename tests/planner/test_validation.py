@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from kvserve.errors import ConfigError
-from kvserve.planner import CHIP_PRESETS, MODEL_PRESETS, ModelShape, PlanInputs, get_chip, load_model
+from kvserve.model.arch import ModelArchitecture
+from kvserve.planner import CHIP_PRESETS, MODEL_PRESETS, PlanInputs, PlannedModel, get_chip, load_model
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,7 @@ def test_heads_layout_needs_whole_query_heads_per_chip():
 
 def test_model_shape_rejects_kv_heads_not_dividing_query_heads():
     with pytest.raises(ConfigError, match="num_kv_heads"):
-        ModelShape("x", 2, 64, 128, 6, 4, 16, 100, 1e6)
+        PlannedModel("x", ModelArchitecture("llama", 100, 64, 128, 2, 6, 4, 16), 1e6)
 
 
 def test_chip_rejects_non_positive_bandwidth():

@@ -1,5 +1,5 @@
 """The server's failure paths, on real `kvserve serve` processes and the tiny model: an engine
-that fails (the test hook makes a real step raise), caps on what a request may ask for,
+that fails (a test-built engine whose step raises: tests/support/faults.py), caps on what a request may ask for,
 absurd prompts refused before tokenizing, errors inside an event stream, and requests a
 shutdown ends before they start."""
 
@@ -17,13 +17,15 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import FAIL_AFTER_STEPS_ENV, AsyncLLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvserve.server.api import build_app
 from kvserve.server.lifecycle import SSE_DONE, ended_properly
 from tests.server.conftest import ServerProcess, metrics
+from tests.support.faults import FailingEngine
 
 COMPLETIONS = "/v1/completions"
+FAULTY_SERVER = "tests.support.faulty_server"  # `kvserve serve` with a fault in its engines
 LONG = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True}
 
 
@@ -34,7 +36,8 @@ def _events(response: httpx.Response) -> list[str]:
 def test_an_engine_failure_ends_every_request_and_the_process(tiny_llama, tmp_path):
     # step 200 comes after both requests are in (the stream is read before the other is sent),
     # however slow the machine, and before either is done (LONG runs 400 steps)
-    server = ServerProcess(tiny_llama, tmp_path / "serve.log", "--kv-cache-memory", "4MiB", env={FAIL_AFTER_STEPS_ENV: "200"})
+    server = ServerProcess(tiny_llama, tmp_path / "serve.log", "--kv-cache-memory", "4MiB", "--fail-after-steps", "200",
+                           module=FAULTY_SERVER)  # fmt: skip
     try:
         whole: dict = {}
 
@@ -64,7 +67,8 @@ def test_restart_engine_brings_a_failed_engine_back_then_stops_a_crash_loop(tiny
     # every engine of this process fails at its 11th step: the first failure restarts it,
     # the second, within a minute of that restart, ends the process with status 1
     server = ServerProcess(
-        tiny_llama, tmp_path / "serve.log", "--kv-cache-memory", "4MiB", "--restart-engine", env={FAIL_AFTER_STEPS_ENV: "10"}
+        tiny_llama, tmp_path / "serve.log", "--kv-cache-memory", "4MiB", "--restart-engine", "--fail-after-steps", "10",
+        module=FAULTY_SERVER,
     )
     try:
         failed = httpx.post(f"{server.url}{COMPLETIONS}", json=LONG, timeout=30)
@@ -84,8 +88,8 @@ def test_restart_engine_brings_a_failed_engine_back_then_stops_a_crash_loop(tiny
 
 
 def test_health_and_new_requests_answer_503_once_the_engine_is_dead(tiny_llama):
-    engine = AsyncLLMEngine(EngineConfig(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB"))
-    engine.fail_after_steps = 3
+    config = EngineConfig(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    engine = AsyncLLMEngine(engine=FailingEngine(config, fail_after_steps=3))
     try:
         with TestClient(build_app(engine)) as client:
             assert client.get("/health").status_code == 200

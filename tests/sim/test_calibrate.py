@@ -14,11 +14,12 @@ from kvserve.engine.llm import LLM
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import SamplerOutput
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step_log import StepLog
 from kvserve.errors import ConfigError
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.calibrate import calibrate_in_process
 from kvserve.sim.measure import Grid
-from kvserve.sim.step_log import StepLog, read_step_log, read_timeline
+from kvserve.sim.step_log import read_step_log, read_timeline
 from kvserve.sim.step_model import load_step_model
 from kvserve.sim.step_shape import StepShape
 

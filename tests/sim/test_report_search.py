@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from kvserve.bench.stats import SLO
 from kvserve.errors import ConfigError
+from kvserve.loadgen.stats import SLO
 from kvserve.sim.report import summary
 from kvserve.sim.search import find_max_rate
 from kvserve.sim.simulator import Simulator

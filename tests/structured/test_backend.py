@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import Request
+from kvserve.request_state import RequestStatus
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sampling_params import SamplingParams

@@ -6,7 +6,6 @@ the log, so two test runs never race for a port.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -19,15 +18,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
 _ADDRESS = re.compile(r"serving (\S+) at (http://\S+)/v1")
+_ROOT = Path(__file__).resolve().parents[2]  # the repository: `python -m tests.…` imports from here
 
 
 class ServerProcess:
-    def __init__(self, model: str, log_path: Path, *flags: str, dtype: str = "float32", env: dict | None = None):
+    """`module`: the program run as `python -m MODULE serve …`; tests/support/faulty_server.py
+    builds the server with a fault in its engine."""
+
+    def __init__(self, model: str, log_path: Path, *flags: str, dtype: str = "float32", module: str = "kvserve.cli"):
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", "0", "--dtype", dtype]
+        cmd = [sys.executable, "-m", module, "serve", "--model", model, "--port", "0", "--dtype", dtype]
         cmd += ["--device", "cpu", "--threads", "1", *flags]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=_ROOT)
         self.url, self.model_name = self._wait_for_address(timeout_s=120)
 
     def _wait_for_address(self, timeout_s: float) -> tuple[str, str]:

@@ -1,4 +1,6 @@
-"""glibc malloc settings for a process that allocates and frees tensor-sized buffers every step.
+"""glibc malloc settings for a process that allocates and frees tensor-sized buffers every step:
+the engine fixes the thresholds at start-up, the model loaders and the model hand freed pages back.
+Below both (model/ may not import engine/).
 
 glibc serves a request above its mmap threshold with a fresh mapping and unmaps it on free,
 and raises that threshold to the size of each mapped chunk freed; its heap is trimmed back

@@ -1,7 +1,7 @@
 """What a figure was measured on and with: CPU, threads, library versions, the commit.
 
-Every JSON a benchmark writes carries this, so a number can be traced to its machine
-and re-measured on the same one.
+Every JSON a benchmark writes carries this, and a simulator calibration its CPU, so a
+number can be traced to its machine and re-measured on the same one.
 """
 
 from __future__ import annotations

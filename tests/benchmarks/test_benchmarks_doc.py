@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench.markdown import render
+from benchmarks.markdown import render
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = sorted((ROOT / "docs/benchmarks").glob("*.json"))

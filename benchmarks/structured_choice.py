@@ -1,6 +1,6 @@
 """Why kvserve's constrained decoding uses llguidance: llguidance against xgrammar, measured.
 
-    python -m kvserve.bench.structured_choice [--repeats 5]
+    python -m benchmarks.structured_choice [--repeats 5]
 
 For the default model's tokenizer, each library compiles a few JSON schemas (and "any
 JSON object") and then walks a valid document token by token, computing the next-token
@@ -23,86 +23,7 @@ import json
 import statistics
 import time
 
-SCHEMAS: dict[str, dict | None] = {
-    "simple object": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-    "nested arrays+enums": {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string"},
-            "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}},
-            "owner": {
-                "type": "object",
-                "properties": {
-                    "id": {"type": "integer", "minimum": 0},
-                    "roles": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-                },
-                "required": ["id", "roles"],
-                "additionalProperties": False,
-            },
-            "score": {"type": "number"},
-        },
-        "required": ["title", "tags", "owner", "score"],
-        "additionalProperties": False,
-    },
-    "tool call": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "enum": ["get_weather", "search_web", "send_email"]},
-            "arguments": {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "properties": {
-                            "city": {"type": "string"},
-                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                        },
-                        "required": ["city"],
-                        "additionalProperties": False,
-                    },
-                    {
-                        "type": "object",
-                        "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}},
-                        "required": ["query"],
-                        "additionalProperties": False,
-                    },
-                    {
-                        "type": "object",
-                        "properties": {
-                            "to": {"type": "string"},
-                            "subject": {"type": "string"},
-                            "body": {"type": "string"},
-                        },
-                        "required": ["to", "subject", "body"],
-                        "additionalProperties": False,
-                    },
-                ]
-            },
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    },
-    "json_object": None,  # any JSON object
-}
-
-DOCUMENTS = {
-    "simple object": {"name": "Ada Lovelace", "age": 36},
-    "nested arrays+enums": {
-        "title": "A report on the state of the engine",
-        "tags": ["red", "blue", "green"],
-        "owner": {"id": 42, "roles": ["admin", "writer"]},
-        "score": 0.75,
-    },
-    "tool call": {
-        "name": "send_email",
-        "arguments": {"to": "bob@example.com", "subject": "Lunch", "body": "Are we still on for noon tomorrow?"},
-    },
-    "json_object": {"answer": "Paris", "confidence": 0.9, "sources": ["atlas", "encyclopedia"], "ok": True},
-}
+from kvserve.bench.structured import DOCUMENTS, SCHEMAS
 
 
 def _default_hf_tokenizer():

@@ -1,4 +1,4 @@
-"""`python -m kvserve.bench.handoff_overlap`: how much of a handoff the prefill hides.
+"""`python -m benchmarks.handoff_overlap`: how much of a handoff the prefill hides.
 
 A prefill engine and a decode engine in this process (the default model, one thread each)
 hand over six 1,024-token prompts by each transport. The prefill side reports the seconds

@@ -1,4 +1,4 @@
-"""`kvserve bench make-model`: random-weight models of real shapes, read back and run.
+"""tools/make_model.py: random-weight models of real shapes, read back and run.
 
 The tiny shape (2 layers, hidden 256, 4/2 heads, FFN 512, the default model's 49152-token
 vocabulary, untied) in every format: tensor names, types and shapes as planned, sampled
@@ -14,8 +14,8 @@ import json
 import numpy as np
 import pytest
 
-from kvserve.bench import random_model as rm
-from kvserve.cli import main
+from tools import make_model as rm
+from tools import quant_blocks as qb
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -72,13 +72,13 @@ def test_sizes_of_the_benchmark_shapes():
 def test_packers_match_gguf_dequantize():
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 64, (5, 256), dtype=np.uint8)
-    blocks = rm.pack_q6_k(np.ones(5), np.ones((5, 16), np.int8), codes)
+    blocks = qb.pack_q6_k(np.ones(5), np.ones((5, 16), np.int8), codes)
     assert np.array_equal(gguf.quants.dequantize(blocks.reshape(1, -1), T.Q6_K).reshape(5, 256), codes - 32.0)
     codes = rng.integers(0, 32, (5, 32), dtype=np.uint8)
-    blocks = rm.pack_q5_0(np.ones(5), codes)
+    blocks = qb.pack_q5_0(np.ones(5), codes)
     assert np.array_equal(gguf.quants.dequantize(blocks.reshape(1, -1), T.Q5_0).reshape(5, 32), codes - 16.0)
     sc, m = rng.integers(0, 64, (2, 7, 8), dtype=np.uint8)
-    got_sc, got_m = gguf.quants.Q4_K.get_scale_min(rm.pack_k_scales(sc, m))
+    got_sc, got_m = gguf.quants.Q4_K.get_scale_min(qb.pack_k_scales(sc, m))
     assert np.array_equal(got_sc, sc) and np.array_equal(got_m, m)
 
 
@@ -147,7 +147,7 @@ def _greedy_tokens(path) -> list[int]:
 @uses_default_model
 def test_cli_makes_a_verified_gguf_with_the_default_tokenizer(tmp_path, capsys, engine_cache):
     out = tmp_path / "tiny-q4_0.gguf"
-    assert main(["bench", "make-model", "--shape", "tiny", "--format", "q4_0", "--out", str(out), "--seed", "3"]) == 0
+    assert rm.main(["--shape", "tiny", "--format", "q4_0", "--out", str(out), "--seed", "3"]) == 0
     text = capsys.readouterr().out
     assert "wrote" in text and "verified" in text
     # every tokenizer field, the chat template among them, is the default model's

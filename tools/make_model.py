@@ -1,24 +1,24 @@
-"""`kvserve bench make-model`: random-weight models of real shapes, for benchmarks.
+"""Random-weight models of real shapes, for benchmarks and tests: `python -m tools.make_model`.
 
 A benchmark of a 1B or 8B model needs its shapes and its bytes, not its training. This
-writes a model of a named shape with random weights and the SmolLM2 vocabulary (the
-tokenizer metadata of the default model's GGUF, copied field by field, so the engine's
-tokenizer, chat template and stop tokens work), as
+writes a model of a named shape (the shared presets, `kvserve.model.presets`) with random
+weights and the SmolLM2 vocabulary (the tokenizer metadata of the default model's GGUF,
+copied field by field, so the engine's tokenizer, chat template and stop tokens work), as
 
 - a GGUF (`gguf.GGUFWriter`, arch `llama`) in a float type (`f16`, `bf16`) or a block
   quantization (`q8_0`, `q4_0`, `q4_1`, `q4_k`, `q5_k`, `q6_k`, `q4_k_m`), or
 - a Hugging Face directory (`hf-bf16`): config.json, generation_config.json, the
   tokenizer files, and bf16 safetensors in shards of at most 2 GB.
 
-Nothing holds the whole model: tensor infos are written first, then each tensor's data
-as it is made (the 8B shape is 16 GB in bf16); a tensor is built in row chunks.
+    python -m tools.make_model --shape llama-3.2-1b --format q4_0 --out /models/llama-1b-q4_0.gguf
 
-Float weights are normal with std 0.02 (norm weights 1.0). Quantized tensors are written
-as random *blocks* in the GGUF layout, never through a float copy: codes uniform over
-each format's range (made symmetric about zero where the format has no min, so no
-weight matrix has a mean that the residual stream would amplify), per-block scales
-jittered ±25 % around the value that gives each weight std 0.02, every fp16 scale finite,
-positive and a normal number. See `_BLOCK_MAKERS` for each layout.
+It lives outside the package: kvserve serves and benchmarks real models; these files only
+reproduce the benchmark rows of BENCHMARKS.md and feed the tests (tests/tools).
+
+Nothing holds the whole model: tensor infos are written first, then each tensor's data
+as it is made (the 8B shape is 16 GB in bf16); a tensor is built in row chunks. Float
+weights are normal with std 0.02 (norm weights 1.0); quantized ones are random blocks
+(quant_blocks.py).
 
 `q8_0`, `q4_0`, `q4_1`, `q4_k`, `q5_k`, `q6_k` are *pure*: every 2-D weight in that type
 (as `llama-quantize --pure`; llama.cpp's non-pure ftypes would put the LM head in Q6_K).
@@ -32,12 +32,11 @@ positive and a normal number. See `_BLOCK_MAKERS` for each layout.
 A row length that is not a multiple of 256 cannot hold K-quant super-blocks; such a
 tensor falls back as llama.cpp's does (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0). Only the
 smollm2-135m shape (hidden 576) meets this.
-
-torch-free except `hf-bf16`'s tokenizer files (transformers builds them from the GGUF).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -49,51 +48,27 @@ from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
-WEIGHT_STD = 0.02
+from kvserve.errors import ConfigError
+from kvserve.model.arch import ModelArchitecture
+from kvserve.model.presets import PRESETS
+from tools.quant_blocks import BLOCK_MAKERS, WEIGHT_STD
+
+VOCAB_SIZE = 49152  # the default model's tokenizer, which every file carries (checked against its GGUF)
 MAX_SHARD_BYTES = 2 * 10**9  # hf-bf16 safetensors shards
 _CHUNK_ELEMENTS = 1 << 24  # a tensor is made this many weights at a time
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    rope_theta: float
-    context_length: int
-    rms_norm_eps: float = 1e-5
-    # llama3 RoPE scaling (factor, low_freq_factor, high_freq_factor, original context); None: plain RoPE
-    llama3_rope: tuple[float, float, float, int] | None = None
-    vocab_size: int = 49152  # the default model's; checked against its GGUF
-
-
-SHAPES: dict[str, Shape] = {
-    # a test shape: every tensor kind (untied LM head too), every row a multiple of 256
-    "tiny": Shape(2, 256, 512, 4, 2, 64, tie_word_embeddings=False, rope_theta=10000.0, context_length=8192),
-    "smollm2-135m": Shape(30, 576, 1536, 9, 3, 64, tie_word_embeddings=True, rope_theta=100000.0,
-                          context_length=8192),
-    "llama-3.2-1b": Shape(16, 2048, 8192, 32, 8, 64, tie_word_embeddings=True, rope_theta=500000.0,
-                          context_length=131072, llama3_rope=(32.0, 1.0, 4.0, 8192)),
-    "llama-3.1-8b": Shape(32, 4096, 14336, 32, 8, 128, tie_word_embeddings=False, rope_theta=500000.0,
-                          context_length=131072, llama3_rope=(8.0, 1.0, 4.0, 8192)),
-}
+# the shared presets, with the vocabulary of the tokenizer the files carry
+SHAPES = {name: dataclasses.replace(arch, vocab_size=VOCAB_SIZE) for name, arch in PRESETS.items()}
 
 GGUF_FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k_m", "q4_k", "q5_k", "q6_k")
 FORMATS = ("hf-bf16", *GGUF_FORMATS)
 
 # ---- which type each tensor gets -----------------------------------------------------------
-
-
-def _qt():
-    from gguf import GGMLQuantizationType
-
-    return GGMLQuantizationType
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -103,15 +78,13 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 def _fallback(qtype, row_length: int):
     """llama.cpp's replacement for a K-quant whose rows are not whole super-blocks."""
-    T = _qt()
     if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and row_length % 256:
         return {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}[qtype]
     return qtype
 
 
-def tensor_type(fmt: str, name: str, shape: Shape, row_length: int):
+def tensor_type(fmt: str, name: str, shape: ModelArchitecture, row_length: int):
     """The GGML type of tensor `name` (GGUF naming) in format `fmt`."""
-    T = _qt()
     if name.endswith("norm.weight") or name == "rope_freqs.weight":
         return T.F32
     base = {"f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
@@ -129,12 +102,12 @@ def tensor_type(fmt: str, name: str, shape: Shape, row_length: int):
 _FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q4_k_m": 15, "q4_k": 14, "q5_k": 16, "q6_k": 18}
 
 
-def gguf_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+def gguf_tensors(shape: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape [rows, row length]) of every tensor, in file order."""
     s = shape
     D, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     out: list[tuple[str, tuple[int, ...]]] = []
-    if s.llama3_rope is not None:
+    if s.rope_scaling.rope_type == "llama3":
         out.append(("rope_freqs.weight", (s.head_dim // 2,)))
     out.append(("token_embd.weight", (s.vocab_size, D)))
     for i in range(s.num_layers):
@@ -149,7 +122,7 @@ def gguf_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def hf_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+def hf_tensors(shape: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor of the safetensors checkpoint, in file order."""
     s = shape
     D, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -167,144 +140,17 @@ def hf_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def llama3_rope_factors(shape: Shape) -> np.ndarray:
+def llama3_rope_factors(shape: ModelArchitecture) -> np.ndarray:
     """The `rope_freqs.weight` llama.cpp's converter writes for llama3 RoPE scaling: the
     divisor of each inverse frequency."""
-    factor, low, high, old_ctx = shape.llama3_rope
+    r = shape.rope_scaling
+    factor, low, high, old_ctx = r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
     freqs = 1.0 / (shape.rope_theta ** (np.arange(0, shape.head_dim, 2, dtype=np.float64) / shape.head_dim))
     wavelen = 2 * math.pi / freqs
     smooth = (old_ctx / wavelen - low) / (high - low)
     out = np.where(wavelen < old_ctx / high, 1.0,
                    np.where(wavelen > old_ctx / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
     return out.astype(np.float32)
-
-
-# ---- random blocks ------------------------------------------------------------------------
-
-_JITTER = 0.25  # per-block scale factor uniform in [1 - j, 1 + j]
-_JITTER_MS = 1 + _JITTER**2 / 3  # E[f²]
-
-
-def _uniform_int_ms(lo: int, hi: int, center: float = 0.0) -> float:
-    """E[(q − center)²] for q uniform on the integers lo..hi."""
-    n = hi - lo + 1
-    mean = (lo + hi) / 2
-    return (n * n - 1) / 12 + (mean - center) ** 2
-
-
-def _raw_bytes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    n = int(np.prod(shape))
-    words = rng.bit_generator.random_raw((n + 7) // 8)
-    return words.view(np.uint8)[:n].reshape(shape)
-
-
-def _fp16(values: np.ndarray) -> np.ndarray:
-    """float → fp16 bytes [..., 2]."""
-    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def _scales(rng: np.random.Generator, n: int, base: float) -> np.ndarray:
-    return base * rng.uniform(1 - _JITTER, 1 + _JITTER, n)
-
-
-def _pack_nibbles_32(codes: np.ndarray) -> np.ndarray:
-    """[n, 32] 4-bit codes → [n, 16] bytes: element j in the low nibble of byte j, j+16 in the high."""
-    return codes[:, :16] | (codes[:, 16:] << np.uint8(4))
-
-
-def _make_q8_0(rng, n):
-    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(-127, 127)))
-    qs = rng.integers(-127, 128, (n, 32), dtype=np.int8).view(np.uint8)
-    return np.concatenate([_fp16(d), qs], axis=1)
-
-
-def _make_q4_0(rng, n):
-    # codes 1..15 (weights d·(q − 8) in −7..7, symmetric)
-    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(-7, 7)))
-    codes = rng.integers(1, 16, (n, 32), dtype=np.uint8)
-    return np.concatenate([_fp16(d), _pack_nibbles_32(codes)], axis=1)
-
-
-def pack_q5_0(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks from scales [n] and 5-bit codes [n, 32] (weight = d·(code − 16))."""
-    qs = (codes[:, :16] & np.uint8(0x0F)) | ((codes[:, 16:] & np.uint8(0x0F)) << np.uint8(4))
-    qh = np.packbits(codes >> np.uint8(4), axis=-1, bitorder="little")
-    return np.concatenate([_fp16(d), qh, qs], axis=1)
-
-
-def _make_q5_0(rng, n):
-    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(-15, 15)))
-    return pack_q5_0(d, rng.integers(1, 32, (n, 32), dtype=np.uint8))
-
-
-def _make_q4_1(rng, n):
-    # w = d·q + m, q uniform 0..15, m = −7.5·d: zero mean
-    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(0, 15, 7.5)))
-    return np.concatenate([_fp16(d), _fp16(-7.5 * d), _raw_bytes(rng, (n, 16))], axis=1)
-
-
-def _make_q5_1(rng, n):
-    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(0, 31, 15.5)))
-    return np.concatenate([_fp16(d), _fp16(-15.5 * d), _raw_bytes(rng, (n, 20))], axis=1)
-
-
-def pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """The 12-byte scales field of Q4_K / Q5_K from 6-bit sub-block scales and mins [n, 8]."""
-    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
-    lo_d = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
-    lo_m = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
-    hi = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
-    return np.concatenate([lo_d, lo_m, hi], axis=1)
-
-
-# sub-block scales: Q4_K's span 32..63 as llama.cpp's (the largest near 63); Q5_K's 16..31
-# keep its fp16 d a normal number
-_K_SCALE_RANGE = {"q4_k": (32, 63), "q5_k": (16, 31)}
-
-
-def _make_k_minned(rng, n, bits: int):
-    lo, hi = _K_SCALE_RANGE["q4_k" if bits == 4 else "q5_k"]
-    center = (2**bits - 1) / 2
-    sc_ms = _uniform_int_ms(lo, hi)
-    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * sc_ms * _uniform_int_ms(0, 2**bits - 1, center)))
-    sc = rng.integers(lo, hi + 1, (n, 8), dtype=np.uint8)
-    # w = d·sc·q − dmin·m with dmin = center·d and m = sc: each sub-block's mean is zero
-    parts = [_fp16(d), _fp16(center * d), pack_k_scales(sc, sc)]
-    if bits == 5:
-        parts.append(_raw_bytes(rng, (n, 32)))  # qh: the fifth bit of each weight
-    parts.append(_raw_bytes(rng, (n, 128)))  # qs: the low four bits
-    return np.concatenate(parts, axis=1)
-
-
-def pack_q6_k(d: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """Q6_K blocks from d [n], int8 sub-block scales [n, 16] and 6-bit codes [n, 256]
-    (weight e = d·scales[e // 16]·(codes[e] − 32)); the layout of `gguf.quants.Q6_K`."""
-    n = codes.shape[0]
-    c = codes.reshape(n, 2, 128)
-    lo, hi = c & np.uint8(0x0F), c >> np.uint8(4)
-    ql = (lo[:, :, :64] | (lo[:, :, 64:] << np.uint8(4))).reshape(n, 128)
-    h = hi.reshape(n, 2, 4, 32)
-    qh = (h[:, :, 0] | (h[:, :, 1] << np.uint8(2)) | (h[:, :, 2] << np.uint8(4)) | (h[:, :, 3] << np.uint8(6))).reshape(n, 64)
-    return np.concatenate([ql, qh, scales.astype(np.int8).view(np.uint8), _fp16(d)], axis=1)
-
-
-_Q6_SCALE_RANGE = (8, 15)  # int8 sub-block scales; keeps the fp16 d a normal number
-
-
-def _make_q6_k(rng, n):
-    lo, hi = _Q6_SCALE_RANGE
-    d = _scales(rng, n, WEIGHT_STD / math.sqrt(_JITTER_MS * _uniform_int_ms(lo, hi) * _uniform_int_ms(-31, 31)))
-    scales = rng.integers(lo, hi + 1, (n, 16), dtype=np.int8)
-    return pack_q6_k(d, scales, rng.integers(1, 64, (n, 256), dtype=np.uint8))  # codes 1..63: −31..31
-
-
-def _block_makers():
-    T = _qt()
-    return {
-        T.Q8_0: _make_q8_0, T.Q4_0: _make_q4_0, T.Q4_1: _make_q4_1, T.Q5_0: _make_q5_0, T.Q5_1: _make_q5_1,
-        T.Q4_K: lambda rng, n: _make_k_minned(rng, n, 4), T.Q5_K: lambda rng, n: _make_k_minned(rng, n, 5),
-        T.Q6_K: _make_q6_k,
-    }
 
 
 # ---- one tensor's data ----------------------------------------------------------------------
@@ -333,12 +179,9 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(np.uint16)
 
 
-def tensor_data(name: str, shape: tuple[int, ...], qtype, model_shape: Shape, seed: int) -> np.ndarray:
+def tensor_data(name: str, shape: tuple[int, ...], qtype, model_shape: ModelArchitecture, seed: int) -> np.ndarray:
     """The bytes of one tensor as the array GGUFWriter writes: F32 norms (1.0) and RoPE
     factors, F16 / BF16 (uint16 bits) rows, or quantized blocks [rows, row bytes] uint8."""
-    import gguf
-
-    T = gguf.GGMLQuantizationType
     if name == "rope_freqs.weight":
         return llama3_rope_factors(model_shape)
     if len(shape) == 1:
@@ -353,7 +196,7 @@ def tensor_data(name: str, shape: tuple[int, ...], qtype, model_shape: Shape, se
         return out
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks_per_row = row_length // block
-    make = _block_makers()[qtype]
+    make = BLOCK_MAKERS[qtype]
     out = np.empty((rows, blocks_per_row * type_size), dtype=np.uint8)
     for a, b in _row_chunks(rows, row_length):
         out[a:b] = make(rng, (b - a) * blocks_per_row).reshape(b - a, -1)
@@ -366,8 +209,6 @@ def tensor_data(name: str, shape: tuple[int, ...], qtype, model_shape: Shape, se
 @lru_cache(maxsize=1)
 def _default_gguf_metadata() -> tuple[Path, tuple[tuple[str, object, tuple], ...], int]:
     """(path, every `tokenizer.*` field as (key, value, types), vocabulary size) of the default GGUF."""
-    import gguf
-
     from kvserve.model.loader import default_model_path
 
     path = default_model_path()
@@ -405,8 +246,6 @@ def _log(msg: str, quiet: bool) -> None:
 def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool = True, tokenizer: bool = True) -> MadeModel:
     """Write the GGUF. `tokenizer=False` leaves out the tokenizer metadata (the engine cannot
     load such a file; tests use it because `GGUFReader` parses 49152 token strings slowly)."""
-    import gguf
-
     start = time.perf_counter()
     shape = SHAPES[shape_name]
     src, fields, vocab = _default_gguf_metadata()
@@ -419,10 +258,10 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_type("model")
     w.add_name(f"random {shape_name} {fmt}")
-    w.add_string("general.description", f"random weights (std {WEIGHT_STD}) made by kvserve bench make-model, seed {seed}; "
+    w.add_string("general.description", f"random weights (std {WEIGHT_STD}) made by tools/make_model.py, seed {seed}; "
                                         f"tokenizer of {src.name}")
     a = "llama"
-    w.add_uint32(f"{a}.context_length", shape.context_length)
+    w.add_uint32(f"{a}.context_length", shape.max_position_embeddings)
     w.add_uint32(f"{a}.embedding_length", shape.hidden_size)
     w.add_uint32(f"{a}.block_count", shape.num_layers)
     w.add_uint32(f"{a}.feed_forward_length", shape.intermediate_size)
@@ -467,22 +306,20 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     return MadeModel(out, shape_name, fmt, time.perf_counter() - start, out.stat().st_size, counts)
 
 
-def hf_config(shape: Shape, bos: int | None, eos: int | None) -> dict:
+def hf_config(shape: ModelArchitecture, bos: int | None, eos: int | None) -> dict:
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
         "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab_size": shape.vocab_size,
-        "max_position_embeddings": shape.context_length, "rms_norm_eps": shape.rms_norm_eps,
+        "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta, "rope_scaling": None, "tie_word_embeddings": shape.tie_word_embeddings,
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
         "initializer_range": WEIGHT_STD, "pretraining_tp": 1, "use_cache": True,
         "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "bfloat16",
     }
-    if shape.llama3_rope is not None:
-        factor, low, high, old_ctx = shape.llama3_rope
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                                  "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
+    if shape.rope_scaling.rope_type == "llama3":
+        config["rope_scaling"] = dataclasses.asdict(shape.rope_scaling)
     return config
 
 
@@ -578,8 +415,6 @@ def make_model(out: Path | str, shape_name: str, fmt: str, seed: int = 0, quiet:
 
 def expected_bytes(shape_name: str, fmt: str) -> int:
     """Bytes of the tensors of a made model (what the disk needs, headers aside)."""
-    import gguf
-
     shape = SHAPES[shape_name]
     if fmt == "hf-bf16":
         return sum(int(np.prod(s)) * 2 for _, s in hf_tensors(shape))
@@ -611,8 +446,6 @@ def verify_gguf(path: Path | str, shape_name: str, fmt: str, sample: int = 4) ->
     """Check a made GGUF: readable by `gguf.GGUFReader`, every tensor named, typed and shaped
     as planned; a few of each quantized type dequantized (their first 256 rows) to finite
     values of std within 10 % of 0.02 and mean near zero. Raises AssertionError on a miss."""
-    import gguf
-
     shape = SHAPES[shape_name]
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -648,9 +481,6 @@ def verify_gguf(path: Path | str, shape_name: str, fmt: str, sample: int = 4) ->
 
 def _min_scale(rows: np.ndarray, qtype) -> float | None:
     """The smallest super-block / block fp16 d in these rows (None for float types)."""
-    import gguf
-
-    T = gguf.GGMLQuantizationType
     if qtype in (T.F16, T.BF16, T.F32):
         return None
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -665,8 +495,6 @@ def forward_check(path: Path | str, token: int = 1) -> dict[str, float]:
     layer's weights dequantized at a time): the residual stream's RMS after each layer and
     the logits' std. At position 0 attention is the value projection (softmax over one
     position), so Q and K are computed only to check they are finite. Raises on NaN/inf."""
-    import gguf
-
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     f = reader.fields
@@ -718,9 +546,26 @@ def _disk_free(path: Path) -> int:
     return os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize
 
 
-def run(args) -> int:
-    from kvserve.errors import ConfigError
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.make_model", description="Random weights (std 0.02), real "
+                                     "shapes, the default model's tokenizer; quantized formats are written as random "
+                                     "blocks.")  # fmt: skip
+    parser.add_argument("--shape", choices=list(SHAPES), required=True, help="model shape (kvserve.model.presets)")
+    parser.add_argument("--format", choices=list(FORMATS), required=True,
+                        help="hf-bf16: an HF directory; the rest a GGUF (q4_k_m: llama.cpp's mix of Q4_K and Q6_K)")
+    parser.add_argument("--out", required=True, help="the .gguf file, or the directory for hf-bf16")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
+    parser.add_argument("--no-verify", action="store_true", help="skip reading the GGUF back and checking sampled tensors")
+    parser.add_argument("--forward-check", action="store_true",
+                        help="also run one token through every layer in numpy and check it stays finite")
+    try:
+        return _make(parser.parse_args(argv))
+    except ConfigError as exc:
+        print(f"make_model: error: {exc}", file=sys.stderr)
+        return 1
 
+
+def _make(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if args.format != "hf-bf16" and out.suffix != ".gguf":
         raise ConfigError("--out", f"a GGUF format writes a .gguf file, got {out}")
@@ -747,3 +592,7 @@ def run(args) -> int:
         print(f"forward check: residual RMS {rms[0]:.3g} after layer 0 → {rms[-1]:.3g} after layer {len(rms) - 1}, "
               f"logits std {rep['logits_std']:.3g}, all finite ({time.perf_counter() - t:.1f} s)")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

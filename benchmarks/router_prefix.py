@@ -1,4 +1,4 @@
-"""`python -m kvserve.bench.router_prefix`: the router's prefix-aware policy against
+"""`python -m benchmarks.router_prefix`: the router's prefix-aware policy against
 round-robin, on two replicas of this host and a workload of a few system prompts.
 
 Two `kvserve serve` replicas (one thread each) run for the whole measurement. For each

@@ -1,6 +1,6 @@
 """Markdown tables from the JSON a benchmark wrote, for BENCHMARKS.md.
 
-    python -m kvserve.bench.markdown FILE.json [FILE.json …]
+    python -m benchmarks.markdown FILE.json [FILE.json …]
 
 Each table is printed with the command that produced it and where it ran, so after a
 re-measurement the document is refreshed by pasting this output, never by hand-copying

@@ -1,6 +1,6 @@
 """Timing of the shared-prefix ("cascade") decode attention kernels against the plain decode kernel.
 
-    python -m kvserve.bench.shared_prefix_kernel [--layers 30] [--repeats 20] [--private 80]
+    python -m benchmarks.shared_prefix_kernel [--layers 30] [--repeats 20] [--private 80]
 
 Not a test: for each workload, one decode step's attention of every layer (each layer its own
 pools, as in the model, so the shared prefix is not warm in the cache from the previous layer's

@@ -1,6 +1,6 @@
 """One table of weight/KV formats from the JSON the benches wrote: for BENCHMARKS.md.
 
-    python -m kvserve.bench.formats_table FILE.json …
+    python -m benchmarks.formats_table FILE.json …
 
 Rows are keyed by the model file and the engine's format flags (`--quantization`,
 `--kv-cache-dtype`, `--dtype`) recorded in each JSON; `kvserve bench latency` (with
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.markdown import _n
+from benchmarks.markdown import _n
 
 
 def _key(data: dict[str, Any]) -> tuple[str, str]:

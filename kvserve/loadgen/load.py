@@ -11,53 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from tqdm import tqdm
 
-from kvserve.bench.arrivals import interarrival_gaps_s, send_times_s
-from kvserve.bench.errors import BenchError
-from kvserve.bench.serve_client import RequestRecord, completion_payload, send_completion
-from kvserve.bench.stats import SLO, goodput_req_per_s, summarize
-
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-          "number group problem fact river stone light music garden window paper city story water table").split()
-
-
-def api_base(url: str) -> str:
-    """http://host:port, http://host:port/ or http://host:port/v1 → http://host:port/v1"""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise BenchError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
-    base = url.rstrip("/")
-    return base if base.endswith("/v1") else base + "/v1"
+from kvserve.loadgen.arrivals import interarrival_gaps_s, send_times_s
+from kvserve.loadgen.client import RequestRecord, completion_payload, send_completion
+from kvserve.loadgen.stats import SLO, goodput_req_per_s, summarize
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer token a server behind `--api-key` wants on every request, /v1/models included."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def discover_model(base: str, timeout_s: float, api_key: str | None = None) -> str:
-    """The first model the server lists at /v1/models."""
-    try:
-        response = httpx.get(base + "/models", timeout=timeout_s, headers=auth_headers(api_key))
-        response.raise_for_status()
-        models = response.json().get("data") or []
-    except (httpx.HTTPError, ValueError) as exc:
-        raise BenchError(f"cannot list models at {base}/models ({type(exc).__name__}: {exc}); is the server up? "
-                         "or name the model with --model-name") from None
-    if not models:
-        raise BenchError(f"{base}/models lists no model; name one with --model-name")
-    return str(models[0]["id"])
-
-
-def text_prompt(num_words: int, seed: int) -> str:
-    """Random common words: about one token each in most BPE vocabularies (usage gives the exact count)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return " ".join(rng.choice(_WORDS, size=num_words).tolist())
 
 
 async def _run(base: str, model: str, prompts: list, prompt_lens: list[int], output_lens: list[int],

@@ -1,7 +1,7 @@
 """Where reading a shared prefix once starts to pay: the measurement behind the engine's rule
 (`--shared-prefix-min-positions`, `--shared-prefix-min-group`).
 
-    python -m kvserve.bench.shared_prefix_crossover [--requests 2,4,8,16] [--prefix-lens 256,512,1024,2048]
+    python -m benchmarks.shared_prefix_crossover [--requests 2,4,8,16] [--prefix-lens 256,512,1024,2048]
 
 For each (requests n, prefix length P) it loads n prompts sharing a P-token prefix (64 private
 tokens each) into one engine, runs the prompts, then times decode steps alternating with and

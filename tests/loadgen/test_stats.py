@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.bench.stats import SLO, goodput_req_per_s, summarize
+from kvserve.loadgen.stats import SLO, goodput_req_per_s, summarize
 
 
 def test_percentiles_interpolate_between_order_statistics():

@@ -1,4 +1,4 @@
-"""`python -m kvserve.bench.shared_prefix_kernel` runs and prints each workload's times, rates
+"""`python -m benchmarks.shared_prefix_kernel` runs and prints each workload's times, rates
 and the GEMM roofline beside them (a smoke test with 2 layers; the figures are for humans)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvserve.bench import shared_prefix_kernel
+from benchmarks import shared_prefix_kernel
 from kvserve.kernels import cpu_ops
 
 
@@ -22,7 +22,7 @@ def test_kernel_bench_prints_times_rates_and_the_roofline(capsys):
 
 
 def test_crossover_bench_prints_a_ratio_per_cell(tiny_model_dirs, capsys):
-    from kvserve.bench import shared_prefix_crossover
+    from benchmarks import shared_prefix_crossover
 
     shared_prefix_crossover.main(["--model", tiny_model_dirs["llama-hd64"], "--requests", "2,3", "--prefix-lens", "32",
                                   "--steps", "4"])  # fmt: skip

@@ -1,5 +1,6 @@
-"""Shared-prefix attention (kvserve/attention/cascade.py): the grouping, the lse merge, and
-the reference path against one softmax over each request's whole history."""
+"""Shared-prefix attention (kvserve/attention/shared_prefix_plan.py, merge.py, reference.py):
+the grouping, the lse merge, and the reference path against one softmax over each request's
+whole history."""
 
 from __future__ import annotations
 
@@ -8,16 +9,12 @@ import math
 import pytest
 import torch
 
-from kvserve.attention.cascade import (
-    SharedPrefixRule,
-    attention_with_lse,
-    cascade_decode_attention,
-    find_shared_prefix_groups,
-    merge_attention_states,
-    shareable_blocks,
-)
-from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.paged import decode_attention, paged_attention, write_kv
+from kvserve.attention.kv_pool import gather, write_kv
+from kvserve.attention.merge import attention_with_lse, merge_attention_states
+from kvserve.attention.metadata import AttentionMetadata, SharedPrefixTensors
+from kvserve.attention.paged import paged_attention
+from kvserve.attention.reference import decode_attention, shared_prefix_decode_attention
+from kvserve.attention.shared_prefix_plan import SharedPrefixRule, find_shared_prefix_groups, shareable_blocks
 
 
 def _softmax_ref(q, k, v, scale):
@@ -167,8 +164,6 @@ def _batch(bs, dtype, int8):
 
 def _reference_rows(q, k_pool, v_pool, ks, vs, tables, lens, bs, scale):
     """Each row alone, one softmax over its whole history (dequantized as the path does)."""
-    from kvserve.attention.paged import gather
-
     n_kv, hd = k_pool.shape[-2], k_pool.shape[-1]
     g = q.shape[1] // n_kv
     rows = []
@@ -183,20 +178,20 @@ def _reference_rows(q, k_pool, v_pool, ks, vs, tables, lens, bs, scale):
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_cascade_decode_equals_per_request_softmax(bs, int8):
+def test_shared_prefix_decode_equals_per_request_softmax(bs, int8):
     k_pool, v_pool, ks, vs, tables, lens = _batch(bs, torch.float32, int8)
     plan = find_shared_prefix_groups(tables, lens, bs)
     assert [(len(lv.members), lv.parent) for lv in plan.levels] == [(16, None), (2, None), (4, 0)]  # nested, and a second group
-    plan.to(torch.device("cpu")).build_suffix_tensors(tables, torch.device("cpu"))
+    shared = SharedPrefixTensors.for_reference(plan, tables, torch.device("cpu"))
     q = torch.randn(len(tables), 8, 16)
     scale = 16**-0.5
-    out = cascade_decode_attention(q, k_pool, v_pool, plan, scale, ks, vs)
-    assert plan.applied and out.dtype == q.dtype and out.shape == q.shape
+    out = shared_prefix_decode_attention(q, k_pool, v_pool, shared, scale, ks, vs)
+    assert out.dtype == q.dtype and out.shape == q.shape
     ref = _reference_rows(q, k_pool, v_pool, ks, vs, tables, lens, bs, scale)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def _meta(tables, lens, bs, cascade=None):
+def _meta(tables, lens, bs, shared_prefix=None):
     lens_t = torch.tensor(lens)
     max_len = int(lens_t.max())
     max_blocks = -(-max_len // bs)
@@ -204,9 +199,9 @@ def _meta(tables, lens, bs, cascade=None):
     ctx = torch.arange(max_len)
     return AttentionMetadata(
         slot_mapping=torch.zeros(len(tables), dtype=torch.long), num_decodes=len(tables),
-        decode_slots=None if cascade else padded[:, ctx // bs] * bs + ctx % bs,
-        decode_mask=None if cascade else (ctx.unsqueeze(0) < lens_t.unsqueeze(1)).view(len(tables), 1, 1, max_len),
-        decode_context_lens=lens_t.int(), decode_block_tables=padded.int(), prefills=[], cascade=cascade,
+        decode_slots=None if shared_prefix else padded[:, ctx // bs] * bs + ctx % bs,
+        decode_mask=None if shared_prefix else (ctx.unsqueeze(0) < lens_t.unsqueeze(1)).view(len(tables), 1, 1, max_len),
+        decode_context_lens=lens_t.int(), decode_block_tables=padded.int(), prefills=[], shared_prefix=shared_prefix,
         kv_positions_read=sum(lens),
     )
 
@@ -216,8 +211,7 @@ def test_paged_attention_hook_matches_the_plain_decode_path(int8):
     bs = 4
     k_pool, v_pool, ks, vs, tables, lens = _batch(bs, torch.float32, int8)
     q = torch.randn(len(tables), 8, 16)
-    plan = SharedPrefixRule().plan(tables, lens, bs)
-    plan.to(torch.device("cpu")).build_suffix_tensors(tables, torch.device("cpu"))
+    plan = SharedPrefixTensors.for_reference(SharedPrefixRule().plan(tables, lens, bs), tables, torch.device("cpu"))
     meta_on, meta_off = _meta(tables, lens, bs, plan), _meta(tables, lens, bs)
     on = paged_attention(q, k_pool, v_pool, meta_on, 0.25, k_scale=ks, v_scale=vs)
     off = paged_attention(q, k_pool, v_pool, meta_off, 0.25, k_scale=ks, v_scale=vs)
@@ -231,24 +225,27 @@ def test_bf16_parts_agree_with_sdpa_within_bf16_tolerance():
     bs = 16
     k_pool, v_pool, ks, vs, tables, lens = _batch(bs, torch.bfloat16, False)
     q = torch.randn(len(tables), 8, 16, dtype=torch.bfloat16)
-    plan = SharedPrefixRule().plan(tables, lens, bs)
-    plan.to(torch.device("cpu")).build_suffix_tensors(tables, torch.device("cpu"))
+    plan = SharedPrefixTensors.for_reference(SharedPrefixRule().plan(tables, lens, bs), tables, torch.device("cpu"))
     on = paged_attention(q, k_pool, v_pool, _meta(tables, lens, bs, plan), 0.25)
     off = paged_attention(q, k_pool, v_pool, _meta(tables, lens, bs), 0.25)
     assert on.dtype == torch.bfloat16
     torch.testing.assert_close(on.float(), off.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_a_kernel_path_ignores_the_plan_and_counts_every_history():
+def test_a_kernel_path_ignores_a_plan_not_built_for_it():
+    """The decode kernel given a plan without its kernel plan runs the plain kernel. The
+    counters never meet that case: the runner builds a plan only in the form the step's
+    attention runs (none for fp32 queries on the kernels: tests/engine/
+    test_shared_prefix_engine.py test_on_the_cpu_kernels counts every history there), so a
+    plan in the metadata is a plan that ran."""
     bs = 4
     k_pool, v_pool, ks, vs, tables, lens = _batch(bs, torch.float32, False)
-    plan = SharedPrefixRule().plan(tables, lens, bs)  # no tensors: the kernel path does not build them
+    plan = SharedPrefixTensors(SharedPrefixRule().plan(tables, lens, bs))  # no tensors: not built for any path
 
     class FakeKernel:
         def paged_decode_attention(self, q, *args):
             return torch.zeros_like(q)
 
     meta = _meta(tables, lens, bs, plan)
-    paged_attention(torch.randn(len(tables), 8, 16), k_pool, v_pool, meta, 0.25, decode_ops=FakeKernel())
-    assert not plan.applied
-    assert meta.kv_positions_read_with_sharing() == meta.kv_positions_read
+    out = paged_attention(torch.randn(len(tables), 8, 16), k_pool, v_pool, meta, 0.25, decode_ops=FakeKernel())
+    assert not out.any()

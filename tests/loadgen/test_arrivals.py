@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kvserve.bench.arrivals import interarrival_gaps_s, send_times_s
+from kvserve.loadgen.arrivals import interarrival_gaps_s, send_times_s
 
 
 @pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
