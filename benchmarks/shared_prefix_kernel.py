@@ -1,4 +1,4 @@
-"""Timing of the shared-prefix ("cascade") decode attention kernels against the plain decode kernel.
+"""Timing of the read-once shared-prefix decode attention kernels against the plain decode kernel.
 
     python -m benchmarks.shared_prefix_kernel [--layers 30] [--repeats 20] [--private 80]
 
@@ -6,7 +6,7 @@ Not a test: for each workload, one decode step's attention of every layer (each 
 pools, as in the model, so the shared prefix is not warm in the cache from the previous layer's
 call), timed as
   plain    paged_decode_attention over each request's whole history;
-  cascade  cascade_decode_attention, the call the fused decode step makes per layer: each
+  shared   shared_prefix_decode_attention, the call the fused decode step makes per layer: each
            row's suffix, then shared_prefix_attention per group, merged in place;
 and printed as ms per layer-call (the fastest of --repeats sweeps) and their ratio. Default model shapes (SmolLM2: 9 query heads,
 3 KV heads, head_dim 64), bf16 pools, 16-position blocks.
@@ -81,22 +81,22 @@ def run_case(ops, groups, per_group, prefix_len, private, layers, repeats, shape
         k, v = pools[layer]
         return ops.paged_decode_attention(q, k, v, tables, lens, scale)
 
-    plan = ops.DecodeCascade(
+    plan = ops.SharedPrefixDecodePlan(
         suffix_start=starts,
         levels=[
-            ops.CascadeLevel(members=torch.arange(i * per_group, (i + 1) * per_group), blocks=pb, num_positions=prefix_len)
+            ops.SharedPrefixLevel(members=torch.arange(i * per_group, (i + 1) * per_group), blocks=pb, num_positions=prefix_len)
             for i, pb in enumerate(prefixes)
         ],
     )
 
-    def cascade(layer):
+    def shared(layer):
         k, v = pools[layer]
-        return ops.cascade_decode_attention(q, k, v, tables, lens, plan, scale)
+        return ops.shared_prefix_decode_attention(q, k, v, tables, lens, plan, scale)
 
-    err = (plain(0).float() - cascade(0).float()).abs().max().item()
+    err = (plain(0).float() - shared(0).float()).abs().max().item()
     t_plain = _time(plain, layers, repeats)
-    t_cascade = _time(cascade, layers, repeats)
-    # the cascade's parts on their own (layer 0..L-1 as above)
+    t_shared = _time(shared, layers, repeats)
+    # the shared-prefix call's parts on their own (layer 0..L-1 as above)
     t_prefix = _time(lambda l: [ops.shared_prefix_attention(gq, pools[l][0], pools[l][1], pb, prefix_len, scale)
                                 for gq, pb in zip(group_q, prefixes)], layers, repeats)  # fmt: skip
     t_suffix = _time(lambda l: ops.paged_decode_attention_lse(q, pools[l][0], pools[l][1], tables, lens, starts, scale),
@@ -106,10 +106,10 @@ def run_case(ops, groups, per_group, prefix_len, private, layers, repeats, shape
     name = f"{groups} x {per_group} requests, {prefix_len}-position prefix, {private} private each"
     print(f"{name}:")
     print(f"  plain paged_decode_attention   {t_plain:7.3f} ms per layer-call   {rate(t_plain):6.1f} GMAC/s")
-    print(f"  cascade (prefix+suffix+merge)  {t_cascade:7.3f} ms per layer-call   {rate(t_cascade):6.1f} GMAC/s"
+    print(f"  shared  (prefix+suffix+merge)  {t_shared:7.3f} ms per layer-call   {rate(t_shared):6.1f} GMAC/s"
           f"   (prefix {t_prefix:.3f}, suffix {t_suffix:.3f})")  # fmt: skip
-    print(f"  speed-up {t_plain / t_cascade:5.2f}x   max |plain - cascade| {err:.2e}")
-    return t_plain, t_cascade
+    print(f"  speed-up {t_plain / t_shared:5.2f}x   max |plain - shared| {err:.2e}")
+    return t_plain, t_shared
 
 
 def gemm_roofline_gmacs(repeats: int, n: int = 2048) -> float:

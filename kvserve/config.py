@@ -8,6 +8,7 @@ import re
 import torch
 
 from kvserve.errors import ConfigError
+from kvserve.kernels.isa import cpu_supports_bf16
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -34,13 +35,6 @@ def parse_bytes(field: str, value: str | int) -> int:
     number, unit = match.groups()
     unit = (unit or "").lower().rstrip("b")
     return int(float(number) * _UNITS[unit])
-
-
-def cpu_supports_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:
-        return False
 
 
 def resolve_device(device: str) -> torch.device:

@@ -1,7 +1,7 @@
 """Random-weight models of real shapes, for benchmarks and tests: `python -m tools.make_model`.
 
 A benchmark of a 1B or 8B model needs its shapes and its bytes, not its training. This
-writes a model of a named shape (the shared presets, `kvserve.model.presets`) with random
+writes a model of a named shape (the shared presets, `kvserve.arch_presets`) with random
 weights and the SmolLM2 vocabulary (the tokenizer metadata of the default model's GGUF,
 copied field by field, so the engine's tokenizer, chat template and stop tokens work), as
 
@@ -53,8 +53,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from kvserve.errors import ConfigError
-from kvserve.model.arch import ModelArchitecture
-from kvserve.model.presets import PRESETS
+from kvserve.arch import ModelArchitecture
+from kvserve.arch_presets import PRESETS
 from tools.quant_blocks import BLOCK_MAKERS, WEIGHT_STD
 
 VOCAB_SIZE = 49152  # the default model's tokenizer, which every file carries (checked against its GGUF)
@@ -102,42 +102,34 @@ def tensor_type(fmt: str, name: str, shape: ModelArchitecture, row_length: int):
 _FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q4_k_m": 15, "q4_k": 14, "q5_k": 16, "q6_k": 18}
 
 
+def _tensors(s: ModelArchitecture) -> list[tuple[str, str | None, tuple[int, ...]]]:
+    """(GGUF name, HF name or None, shape [rows, row length]) of every tensor, in file order:
+    one table, so the two checkpoints of a shape hold the same tensors."""
+    D, F, q, kv = s.hidden_size, s.intermediate_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    out: list[tuple[str, str | None, tuple[int, ...]]] = []
+    if s.rope_scaling.rope_type == "llama3":  # llama.cpp's converter stores the factors; HF computes them
+        out.append(("rope_freqs.weight", None, (s.head_dim // 2,)))
+    out.append(("token_embd.weight", "model.embed_tokens.weight", (s.vocab_size, D)))
+    layer = [("attn_norm", "input_layernorm", (D,)), ("attn_q", "self_attn.q_proj", (q, D)),
+             ("attn_k", "self_attn.k_proj", (kv, D)), ("attn_v", "self_attn.v_proj", (kv, D)),
+             ("attn_output", "self_attn.o_proj", (D, q)), ("ffn_norm", "post_attention_layernorm", (D,)),
+             ("ffn_gate", "mlp.gate_proj", (F, D)), ("ffn_up", "mlp.up_proj", (F, D)), ("ffn_down", "mlp.down_proj", (D, F))]  # fmt: skip
+    for i in range(s.num_layers):
+        out += [(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", shape) for g, h, shape in layer]
+    out.append(("output_norm.weight", "model.norm.weight", (D,)))
+    if not s.tie_word_embeddings:
+        out.append(("output.weight", "lm_head.weight", (s.vocab_size, D)))
+    return out
+
+
 def gguf_tensors(shape: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape [rows, row length]) of every tensor, in file order."""
-    s = shape
-    D, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = []
-    if s.rope_scaling.rope_type == "llama3":
-        out.append(("rope_freqs.weight", (s.head_dim // 2,)))
-    out.append(("token_embd.weight", (s.vocab_size, D)))
-    for i in range(s.num_layers):
-        p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (D,)), (p + "attn_q.weight", (q, D)), (p + "attn_k.weight", (kv, D)),
-                (p + "attn_v.weight", (kv, D)), (p + "attn_output.weight", (D, q)), (p + "ffn_norm.weight", (D,)),
-                (p + "ffn_gate.weight", (s.intermediate_size, D)), (p + "ffn_up.weight", (s.intermediate_size, D)),
-                (p + "ffn_down.weight", (D, s.intermediate_size))]
-    out.append(("output_norm.weight", (D,)))
-    if not s.tie_word_embeddings:
-        out.append(("output.weight", (s.vocab_size, D)))
-    return out
+    return [(g, t) for g, _, t in _tensors(shape)]
 
 
 def hf_tensors(shape: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor of the safetensors checkpoint, in file order."""
-    s = shape
-    D, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (s.vocab_size, D))]
-    for i in range(s.num_layers):
-        p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (D,)), (p + "self_attn.q_proj.weight", (q, D)),
-                (p + "self_attn.k_proj.weight", (kv, D)), (p + "self_attn.v_proj.weight", (kv, D)),
-                (p + "self_attn.o_proj.weight", (D, q)), (p + "post_attention_layernorm.weight", (D,)),
-                (p + "mlp.gate_proj.weight", (s.intermediate_size, D)), (p + "mlp.up_proj.weight", (s.intermediate_size, D)),
-                (p + "mlp.down_proj.weight", (D, s.intermediate_size))]
-    out.append(("model.norm.weight", (D,)))
-    if not s.tie_word_embeddings:
-        out.append(("lm_head.weight", (s.vocab_size, D)))
-    return out
+    return [(h, t) for _, h, t in _tensors(shape) if h is not None]
 
 
 def llama3_rope_factors(shape: ModelArchitecture) -> np.ndarray:
@@ -243,14 +235,19 @@ def _log(msg: str, quiet: bool) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _shape_and_tokenizer(shape_name: str):
+    """The named shape with the default model's vocabulary, whose tokenizer every made model
+    carries: (shape, the default GGUF's path, its metadata fields)."""
+    shape = SHAPES[shape_name]
+    src, fields, vocab = _default_gguf_metadata()
+    return dataclasses.replace(shape, vocab_size=vocab), src, fields
+
+
 def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool = True, tokenizer: bool = True) -> MadeModel:
     """Write the GGUF. `tokenizer=False` leaves out the tokenizer metadata (the engine cannot
     load such a file; tests use it because `GGUFReader` parses 49152 token strings slowly)."""
     start = time.perf_counter()
-    shape = SHAPES[shape_name]
-    src, fields, vocab = _default_gguf_metadata()
-    if vocab != shape.vocab_size:
-        shape = dataclasses.replace(shape, vocab_size=vocab)
+    shape, src, fields = _shape_and_tokenizer(shape_name)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
@@ -260,19 +257,15 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     w.add_name(f"random {shape_name} {fmt}")
     w.add_string("general.description", f"random weights (std {WEIGHT_STD}) made by tools/make_model.py, seed {seed}; "
                                         f"tokenizer of {src.name}")
-    a = "llama"
-    w.add_uint32(f"{a}.context_length", shape.max_position_embeddings)
-    w.add_uint32(f"{a}.embedding_length", shape.hidden_size)
-    w.add_uint32(f"{a}.block_count", shape.num_layers)
-    w.add_uint32(f"{a}.feed_forward_length", shape.intermediate_size)
-    w.add_uint32(f"{a}.rope.dimension_count", shape.head_dim)
-    w.add_uint32(f"{a}.attention.head_count", shape.num_heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", shape.num_kv_heads)
-    w.add_uint32(f"{a}.attention.key_length", shape.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", shape.head_dim)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_norm_eps)
-    w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
-    w.add_uint32(f"{a}.vocab_size", shape.vocab_size)
+    ints = {"context_length": shape.max_position_embeddings, "embedding_length": shape.hidden_size,
+            "block_count": shape.num_layers, "feed_forward_length": shape.intermediate_size,
+            "rope.dimension_count": shape.head_dim, "attention.head_count": shape.num_heads,
+            "attention.head_count_kv": shape.num_kv_heads, "attention.key_length": shape.head_dim,
+            "attention.value_length": shape.head_dim, "vocab_size": shape.vocab_size}  # fmt: skip
+    for key, value in ints.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", shape.rms_norm_eps)
+    w.add_float32("llama.rope.freq_base", shape.rope_theta)
     w.add_uint32("general.file_type", _FILE_TYPES[fmt])
     if fmt not in ("f16", "bf16"):
         w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
@@ -362,10 +355,7 @@ def write_hf(out: Path, shape_name: str, seed: int = 0, quiet: bool = True,
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
-    shape = SHAPES[shape_name]
-    src, fields, vocab = _default_gguf_metadata()
-    if vocab != shape.vocab_size:
-        shape = dataclasses.replace(shape, vocab_size=vocab)
+    shape, src, fields = _shape_and_tokenizer(shape_name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.safetensors"):
@@ -550,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.make_model", description="Random weights (std 0.02), real "
                                      "shapes, the default model's tokenizer; quantized formats are written as random "
                                      "blocks.")  # fmt: skip
-    parser.add_argument("--shape", choices=list(SHAPES), required=True, help="model shape (kvserve.model.presets)")
+    parser.add_argument("--shape", choices=list(SHAPES), required=True, help="model shape (kvserve.arch_presets)")
     parser.add_argument("--format", choices=list(FORMATS), required=True,
                         help="hf-bf16: an HF directory; the rest a GGUF (q4_k_m: llama.cpp's mix of Q4_K and Q6_K)")
     parser.add_argument("--out", required=True, help="the .gguf file, or the directory for hf-bf16")

@@ -134,7 +134,7 @@ class SharedPrefixTensors:
     and the suffixes' slots and mask (`for_reference`)."""
 
     plan: SharedPrefixPlan
-    kernel_plan: object | None = None  # ops.DecodeCascade: the suffixes' first positions, each level's members and blocks
+    kernel_plan: object | None = None  # ops.SharedPrefixDecodePlan: the suffixes' first positions, each level's members and blocks
     level_slots: tuple[torch.Tensor, ...] = ()  # per level: [end - start] long, its KV slots in order
     level_members: tuple[torch.Tensor, ...] = ()  # per level: [len(members)] long, its decode rows
     suffix_slots: torch.Tensor | None = None  # [B, max_suffix] long, padded with slot 0
@@ -146,14 +146,14 @@ class SharedPrefixTensors:
 
     @classmethod
     def for_kernels(cls, plan: SharedPrefixPlan, ops, device: torch.device) -> "SharedPrefixTensors":
-        """The plan as ops.cascade_decode_attention reads it (ops.DecodeCascade)."""
+        """The plan as ops.shared_prefix_decode_attention reads it (ops.SharedPrefixDecodePlan)."""
         levels = [
-            ops.CascadeLevel(members=torch.tensor(lv.members, dtype=torch.long, device=device),
+            ops.SharedPrefixLevel(members=torch.tensor(lv.members, dtype=torch.long, device=device),
                              blocks=torch.tensor(lv.block_ids, dtype=torch.int32, device=device), num_positions=lv.num_positions)
             for lv in plan.levels
         ]  # fmt: skip
         suffix_start = torch.tensor(plan.suffix_start, dtype=torch.int32, device=device)
-        return cls(plan, kernel_plan=ops.DecodeCascade(suffix_start=suffix_start, levels=levels))
+        return cls(plan, kernel_plan=ops.SharedPrefixDecodePlan(suffix_start=suffix_start, levels=levels))
 
     @classmethod
     def for_reference(cls, plan: SharedPrefixPlan, block_tables: list[list[int]], device: torch.device) -> "SharedPrefixTensors":

@@ -20,13 +20,13 @@ def shared_prefix_decode_attention_kernels(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same parts as `shared_prefix_decode_attention`, on the CPU kernels (bf16 queries;
-    bf16 pools, or int8 ones with their scales), in one call (ops.cascade_decode_attention,
-    kernels/cascade_attention.cpp, the function the fused decode step runs per layer): every
+    bf16 pools, or int8 ones with their scales), in one call (ops.shared_prefix_decode_attention,
+    kernels/shared_prefix_decode.cpp, the function the fused decode step runs per layer): every
     row's suffix (`paged_decode_attention_lse` from its suffix start), then each level's
     members against the level's blocks (`shared_prefix_attention`: each block read once for
     all of them), merged in fp32 in the same order as the reference: suffix, then levels outer
     to inner. q: [B, N_q, H] → [B, N_q, H] in q's dtype."""
-    return ops.cascade_decode_attention(q, k_pool, v_pool, block_tables, context_lens, shared.kernel_plan, scale, k_scale, v_scale)
+    return ops.shared_prefix_decode_attention(q, k_pool, v_pool, block_tables, context_lens, shared.kernel_plan, scale, k_scale, v_scale)
 
 
 def paged_attention(

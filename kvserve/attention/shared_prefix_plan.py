@@ -22,7 +22,7 @@ system prompt in one step) need no parts: every chunk's queries see all of the p
 `find_shared_prefill_prefixes` only names, per chunk, the leader whose K/V it reads for the
 shared positions, with the same result as reading them per chunk.
 
-Plain Python (no torch), so the simulator (sim/step_shape.py) groups and counts a step by
+Plain Python (no torch), so the simulator (engine/step_shape.py) groups and counts a step by
 the engine's own rule; attention/metadata.py SharedPrefixTensors turns a plan into what the
 reference path or the CPU kernels read.
 """
@@ -213,7 +213,7 @@ def kv_positions_read(
     per_request: int, decode_plan: SharedPrefixPlan | None = None, prefill_sharing: list[tuple[int, int]] | None = None,
 ) -> int:
     """KV positions (all layers' K and V, c_kv each) a step's attention reads, the one count
-    the engine's counters (attention/metadata.py) and the simulator (sim/step_shape.py) use.
+    the engine's counters (attention/metadata.py) and the simulator (engine/step_shape.py) use.
     `per_request`: what scanning every request's history alone reads (Σ decode context
     lengths + Σ prompt chunks' S0 + m). With a decode plan its decode rows read each shared
     level once per group and their suffixes; with prefill sharing each member's shared part

@@ -23,7 +23,7 @@ from kvserve.bench.workload import random_token_ids
 from kvserve.engine.engine import LLMEngine
 from kvserve.errors import ConfigError
 from kvserve.loadgen.stats import summarize
-from kvserve.model.arch import KV_INT8_SCALE_BYTES
+from kvserve.arch import KV_INT8_SCALE_BYTES
 from kvserve.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.planner import attention, latency, roofline
 from kvserve.planner.calibrate import measure_bf16_flops_per_s, measure_read_bytes_per_s
 

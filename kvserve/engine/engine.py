@@ -36,6 +36,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.sampler import skip_draw
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from kvserve.engine.step_log import StepLog
+from kvserve.engine.step_shape import shape_of
 from kvserve.engine.tp_worker import run_worker
 from kvserve.errors import InvalidRequestError
 from kvserve.model.loader import LoadedModel
@@ -102,7 +103,6 @@ class LLMEngine:
                 functools.partial(skip_draw, vocab_size=self.arch.vocab_size), config.kv_transfer_failure,
                 config.kv_transfer_timeout_s,
             )  # fmt: skip
-            self.model.layer_hook = self.connector.save_layer  # each layer's K/V of a handoff go out as it is done
         self.scheduler = Scheduler(config, self.kv_cache, self.connector)
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.block_size, config.kv_role,
                                      takes_handoffs=self.connector is not None)  # fmt: skip
@@ -210,7 +210,8 @@ class LLMEngine:
             return self.outputs.outputs(plan.arrived)  # first tokens that came with their KV, handoffs that failed
         if self.connector is not None:
             self.connector.start_step(plan)  # prefill requests of a handoff: their KV goes out as the layers run
-        batch, sampled = self.runner.execute_model(plan)
+        # each layer's K/V of a handoff go out as the layer is done
+        batch, sampled = self.runner.execute_model(plan, self.connector.save_layer if self.connector is not None else None)
         update = self.scheduler.update_from_output(plan, sampled)
         self.scheduler.record_prompt_logprobs(batch.prompt_logprobs)
         if self.connector is not None:
@@ -220,8 +221,6 @@ class LLMEngine:
         return self.outputs.outputs([*plan.arrived, *update.sampled])
 
     def _shape_of(self, plan: SchedulerOutput):
-        from kvserve.sim.step_shape import shape_of
-
         if plan.is_empty:
             return None
         runner = self.runner

@@ -21,7 +21,7 @@ from kvserve.distributed.request_layout import RequestShardedMetadata
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -122,15 +122,18 @@ class ModelRunner:
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
         self.sampler = Sampler(model.kernels.op("argmax_rows"))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[StepBatch, SamplerOutput | None]:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, after_layer: Callable[[int], None] | None = None
+    ) -> tuple[StepBatch, SamplerOutput | None]:
         """One step: its batch (the prompt logprobs it computed filled in) and the tokens its
-        sampling requests drew, in the scheduler output's `sampling` order (None: none samples)."""
+        sampling requests drew, in the scheduler output's `sampling` order (None: none samples).
+        `after_layer`: the model's per-layer callback (LlamaForCausalLM.forward)."""
         batch = self.prepare(scheduler_output)
         sampling = [s.request for s in batch.sampling]
         if sampling and self.sampler.plain_greedy(sampling):
             # argmax only: the LM head takes it as it computes, where it can (no logits written)
-            return batch, self.sampler.greedy_output(self.execute_greedy(batch, self.sampler.argmax))
-        logits = self.execute(batch)
+            return batch, self.sampler.greedy_output(self.execute_greedy(batch, self.sampler.argmax, after_layer))
+        logits = self.execute(batch, after_layer)
         return batch, self.sampler(logits, sampling) if sampling else None
 
     def prepare(self, scheduler_output: SchedulerOutput) -> StepBatch:
@@ -281,13 +284,13 @@ class ModelRunner:
         padded = torch.cat([F.pad(t, (0, width - t.numel())).expand(m, width) for t, m in tables])
         return padded.to(self.device), torch.cat(lens).to(self.device)
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         if self.tp is not None:  # the other ranks run the same step on their shares
             self.tp.broadcast_object(StepMessage(
                 batch.input_ids, batch.positions, batch.meta, batch.logits_indices, bool(batch.sampling),
                 [(row, count) for _, row, count in batch.prompt_rows],
             ))  # fmt: skip
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, after_layer)
         if batch.prompt_rows:
             batch.prompt_logprobs = [
                 (req, self._prompt_logprobs(hidden, req, row, count)) for req, row, count in batch.prompt_rows
@@ -327,16 +330,18 @@ class ModelRunner:
             self.model.compute_logits(hidden.index_select(0, msg.logits_indices))
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One forward pass; returns logits [R, V] (model dtype) for the sampling rows, on the CPU."""
-        hidden = self._forward(batch)
+        hidden = self._forward(batch, after_layer)
         if not batch.sampling:
             return torch.empty((0, self.model.arch.vocab_size))
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).cpu()
 
-    def execute_greedy(self, batch: StepBatch, argmax: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
+    def execute_greedy(
+        self, batch: StepBatch, argmax: Callable[[torch.Tensor], torch.Tensor], after_layer: Callable[[int], None] | None = None
+    ) -> list[int]:
         """One forward pass; the greedy token of each sampling row. The LM head takes the
         argmax as it computes where it can, writing no logits; elsewhere `argmax` (the
         sampler's) takes it from the logits, so both ways give the same tokens."""
-        hidden = self._forward(batch)
+        hidden = self._forward(batch, after_layer)
         return self.model.greedy_tokens(hidden.index_select(0, batch.logits_indices), argmax).tolist()

@@ -19,7 +19,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.fingerprint import model_fingerprint
 from kvserve.distributed.launch import check_ranks_agree
 from kvserve.distributed.request_layout import RequestHeads
-from kvserve.distributed.sharding import TensorParallelShard, plan_shard, shard_weights
+from kvserve.distributed.sharding import TensorParallelShard, plan_shard
 from kvserve.engine.model_runner import KVPoolLayout, ModelRunner, plan_kv_pool
 from kvserve.errors import ConfigError
 from kvserve.kernels.support import KernelSupport
@@ -27,6 +27,7 @@ from kvserve.memory import release_free_memory, tune_malloc
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.quantization import resolve_quantization
+from kvserve.model.shard_weights import shard_weights
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,12 @@ def build_model_share(config: EngineConfig, tp, loaded: LoadedModel | None, tp_n
         attention_arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype,
         deterministic=config.deterministic,
     )
-    vocab_sizes = [plan_shard(arch, r, world).vocab for r in range(world)]
+    shards = [plan_shard(arch, r, world) for r in range(world)]
     model = LlamaForCausalLM(
         local_arch, loaded.weights, max_positions=max_model_len + 1, kernels=kernels, tp=tp,
-        vocab=shard.vocab, vocab_sizes=[hi - lo for lo, hi in vocab_sizes],
+        vocab=shard.vocab, vocab_sizes=[s.vocab[1] - s.vocab[0] for s in shards],
+        request_heads=RequestHeads.from_shards(shards, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        if requests_layout else None,
     )  # fmt: skip
     loaded.weights.clear()
     release_free_memory()  # the load's freed transients, before the pools are allocated
@@ -108,10 +111,6 @@ def build_model_share(config: EngineConfig, tp, loaded: LoadedModel | None, tp_n
     model.process_weights_after_loading()
     if config.deterministic:
         _check_deterministic(kernels, model)
-    if requests_layout:
-        model.request_heads = RequestHeads.from_shards(
-            [plan_shard(arch, r, world) for r in range(world)], arch.num_heads, arch.num_kv_heads, arch.head_dim
-        )
     rule = SharedPrefixRule(
         min_shared_blocks=-(-config.shared_prefix_min_positions // config.block_size), min_group_size=config.shared_prefix_min_group
     )

@@ -37,7 +37,7 @@ class StepLog:
         self._file.write(json.dumps({HEADER_KEY: 1, **header}) + "\n")
 
     def record(self, shape, seconds: float) -> None:
-        """A step of this shape (sim/step_shape.py StepShape) took `seconds`."""
+        """A step of this shape (engine/step_shape.py StepShape) took `seconds`."""
         # "end": time.monotonic() when recorded, the clock requests' arrival times use, so the
         # gaps between steps (the engine thread not stepping) can be read from a log too
         row = {"seconds": round(seconds, 7), "end": round(time.monotonic(), 6), **shape.as_dict()}

@@ -214,7 +214,7 @@ class DecodeModel(Protocol):
         """int8 V pools' scales, shaped as k_scales; empty for float pools."""
 
 
-class CascadeLevel(Protocol):
+class SharedPrefixLevel(Protocol):
     """One shared level of a decode step's plan (attention/shared_prefix_plan.py SharedLevel)."""
 
     def __init__(self, *, members: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> None: ...
@@ -232,17 +232,17 @@ class CascadeLevel(Protocol):
         """Positions of the blocks the level covers (<= P * block_size)."""
 
 
-class DecodeCascade(Protocol):
+class SharedPrefixDecodePlan(Protocol):
     """A decode step's shared-prefix plan, shared by all layers."""
 
-    def __init__(self, *, suffix_start: torch.Tensor, levels: Sequence[CascadeLevel]) -> None: ...
+    def __init__(self, *, suffix_start: torch.Tensor, levels: Sequence[SharedPrefixLevel]) -> None: ...
 
     @property
     def suffix_start(self) -> torch.Tensor:
         """int32 [B]: each row's first position after its deepest level (0 without one)."""
 
     @property
-    def levels(self) -> list[CascadeLevel]:
+    def levels(self) -> list[SharedPrefixLevel]:
         """The levels, outer before the levels inside them."""
 
 
@@ -257,8 +257,8 @@ class CpuOps(Protocol):
     QUANT_Q8_MIN: int
     DecodeLayer: type[DecodeLayer]
     DecodeModel: type[DecodeModel]
-    CascadeLevel: type[CascadeLevel]
-    DecodeCascade: type[DecodeCascade]
+    SharedPrefixLevel: type[SharedPrefixLevel]
+    SharedPrefixDecodePlan: type[SharedPrefixDecodePlan]
 
     def isa_level(self) -> str:
         """The ISA level this build was compiled for (kvserve/kernels/isa.py LEVELS)."""
@@ -271,9 +271,6 @@ class CpuOps(Protocol):
 
     def amx_available(self) -> bool:
         """AMX-BF16 present and granted to this process."""
-
-    def set_amx_attention(self, enabled: bool, /) -> None:
-        """Use AMX for decode and prefill attention where available (default on; tests switch it off)."""
 
     def amx_pack_weight(self, w: torch.Tensor, /) -> torch.Tensor:
         """[N, K] bf16 weight -> VNNI tiles [N/16, K/32, 16, 32] for the AMX kernels and gemv_vnni."""
@@ -412,14 +409,14 @@ class CpuOps(Protocol):
         log-sum-exp in fp32: (out in out_dtype (fp32 or bf16), merged lse fp32). lse -inf is an empty part; both
         empty give 0 and -inf."""
 
-    def cascade_decode_attention(
+    def shared_prefix_decode_attention(
         self,
         q: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
-        plan: DecodeCascade,
+        plan: SharedPrefixDecodePlan,
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
@@ -459,7 +456,7 @@ class CpuOps(Protocol):
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
-        cascade: DecodeCascade | None = None,
+        shared_prefix: SharedPrefixDecodePlan | None = None,
     ) -> torch.Tensor:
         """Every decoder layer of a decode batch in one call; the residual stream after the last (before the final
-        norm). With a shared-prefix plan each layer's attention is cascade_decode_attention."""
+        norm). With a shared-prefix plan each layer's attention is shared_prefix_decode_attention."""

@@ -34,7 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the kernel families this build runs, each with the level its code is compiled at");
   m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
-  m.def("set_amx_attention", &set_amx_attention, "use AMX for decode and prefill attention where available (default on)");
   m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
   m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
         "silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-column blocks interleaved");
@@ -87,8 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode batch in one call; the residual stream after the last (before the final norm)",
         py::arg("model"), py::arg("h"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("cascade") = nullptr);
-  m.def("cascade_decode_attention", &cascade_decode_attention,
+        py::arg("context_lens"), py::arg("shared_prefix") = nullptr);
+  m.def("shared_prefix_decode_attention", &shared_prefix_decode_attention,
         "decode attention in parts by a shared-prefix plan (suffixes, then each level read once), merged in place",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("plan"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
@@ -168,15 +167,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k_scales", &DecodeModel::k_scales)
       .def_readonly("v_scales", &DecodeModel::v_scales);
 
-  py::class_<CascadeLevel>(m, "CascadeLevel", py::module_local(), "one shared level of a decode plan: member rows, blocks, positions")
+  py::class_<SharedPrefixLevel>(m, "SharedPrefixLevel", py::module_local(), "one shared level of a decode plan: member rows, blocks, positions")
       .def(py::init<at::Tensor, at::Tensor, int64_t>(), py::kw_only(), py::arg("members"), py::arg("blocks"),
            py::arg("num_positions"))
-      .def_readonly("members", &CascadeLevel::members)
-      .def_readonly("blocks", &CascadeLevel::blocks)
-      .def_readonly("num_positions", &CascadeLevel::num_positions);
+      .def_readonly("members", &SharedPrefixLevel::members)
+      .def_readonly("blocks", &SharedPrefixLevel::blocks)
+      .def_readonly("num_positions", &SharedPrefixLevel::num_positions);
 
-  py::class_<DecodeCascade>(m, "DecodeCascade", py::module_local(), "a decode step's shared-prefix plan: suffix starts, levels outer first")
-      .def(py::init<at::Tensor, std::vector<CascadeLevel>>(), py::kw_only(), py::arg("suffix_start"), py::arg("levels"))
-      .def_readonly("suffix_start", &DecodeCascade::suffix_start)
-      .def_readonly("levels", &DecodeCascade::levels);
+  py::class_<SharedPrefixDecodePlan>(m, "SharedPrefixDecodePlan", py::module_local(), "a decode step's shared-prefix plan: suffix starts, levels outer first")
+      .def(py::init<at::Tensor, std::vector<SharedPrefixLevel>>(), py::kw_only(), py::arg("suffix_start"), py::arg("levels"))
+      .def_readonly("suffix_start", &SharedPrefixDecodePlan::suffix_start)
+      .def_readonly("levels", &SharedPrefixDecodePlan::levels);
 }

@@ -1,7 +1,7 @@
 """What each kernel build compiles, with which flags, and where it is cached.
 
 One build per ISA level (kvserve/kernels/isa.py). Every build compiles the same torch glue
-(bindings.cpp, linear.cpp, fused_decode.cpp, cascade_attention.cpp, families.cpp, checks.cpp:
+(bindings.cpp, linear.cpp, fused_decode.cpp, shared_prefix_decode.cpp, families.cpp, checks.cpp:
 no intrinsics) over one family source tree:
 
     avx2, avx512-vnni   core/ (torch-free kernels on raw pointers, simd.h's vocabulary) with
@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 
-_GLUE = ("bindings.cpp", "linear.cpp", "fused_decode.cpp", "cascade_attention.cpp", "families.cpp", "checks.cpp")
+_GLUE = ("bindings.cpp", "linear.cpp", "fused_decode.cpp", "shared_prefix_decode.cpp", "families.cpp", "checks.cpp")
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 
 

@@ -6,15 +6,15 @@
 // projections go through linear() / linear_silu_mul() on each layer's Projections (see
 // kernels.h), as the Python layers do, so which kernel a batch size gets is decided there.
 // bf16 or int8 KV pools: with int8 ones the model carries their scales (DecodeModel.k_scales).
-// A shared-prefix plan (`cascade`) replaces each layer's decode attention by
-// cascade_decode_attention, so reading a prefix once per group does not cost the step its
+// A shared-prefix plan (`shared_prefix`) replaces each layer's decode attention by
+// shared_prefix_decode_attention, so reading a prefix once per group does not cost the step its
 // single call.
 #include <ATen/core/Tensor.h>
 
 #include "kernels.h"
 
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens, const DecodeCascade* cascade) {
+                         at::Tensor block_tables, at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix) {
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
               "decode_layers: one K and one V pool per layer, got ", model.layers.size(), " layers, ",
               model.k_pools.size(), " K and ", model.v_pools.size(), " V pools");
@@ -44,8 +44,8 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
       q = rope_and_cache(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
                          slot_mapping, num_heads, num_kv_heads, head_dim);
     }
-    if (cascade)
-      attn = cascade_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, *cascade,
+    if (shared_prefix)
+      attn = shared_prefix_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, *shared_prefix,
                                       model.scale, k_scale, v_scale);
     else
       attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale,

@@ -103,3 +103,14 @@ def chosen_level(forced: str | None = None) -> str | None:
     if env:
         return check_level(env, ENV_VAR)
     return native_level()
+
+
+def cpu_supports_bf16() -> bool:
+    """Whether oneDNN (torch's CPU matmuls) computes bf16 natively here: the plain-torch
+    path's test for bf16 weights where no kernel level runs."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:
+        return False

@@ -1,14 +1,14 @@
 // Everything a level's build exports, declared once: to the torch glue every build shares
 // (bindings.cpp binds it all, linear.cpp dispatches a Projection, fused_decode.cpp runs a
-// decode step's layers, cascade_attention.cpp a decode batch's shared-prefix plan,
+// decode step's layers, shared_prefix_decode.cpp a decode batch's shared-prefix plan,
 // checks.cpp holds shared argument checks) and to the family sources of each tree, which
 // implement it: avx512_bf16/<family>.cpp (levels avx512-bf16 and amx) and
 // portable/<family>.cpp over the torch-free core/ (levels avx2 and avx512-vnni). Families:
 //
 //   gemv                     gemv_bf16, gemv_vnni, gemm_vnni, amx_pack_weight: bf16 projections
 //   amx_linear               amx_available, amx_linear(_silu_mul, _argmax) (AMX tiles; refusals elsewhere)
-//   decode_attention         paged_decode_attention (_lse: a range of positions, fp32 out + lse), set_amx_attention, amx_attention_on
-//   shared_prefix_attention  shared_prefix_attention, merge_attention_states: cascade decode attention
+//   decode_attention         paged_decode_attention (_lse: a range of positions, fp32 out + lse)
+//   shared_prefix_attention  shared_prefix_attention, merge_attention_states: read-once shared-prefix decode attention
 //   prefill_attention        paged_prefill_attention
 //   norm_rope_act            rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul
 //   argmax                   argmax_rows
@@ -123,11 +123,8 @@ at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::
 
 // ---- decode_attention.cpp -----------------------------------------------------------------
 
-// Tests switch AMX attention off to check the AVX512-BF16 paths of decode and prefill
-// attention on the same machine (default on).
-void set_amx_attention(bool enabled);
-// amx_available() unless a test switched AMX attention off.
-bool amx_attention_on();
+// bf16 pools take AMX tiles for the scores where amx_available() (the `amx` level's build, the
+// tiles granted); the `avx512-bf16` build of the same source runs its vector path.
 // int8 pools (an int8 KV cache) come with their scales [num_blocks, block_size, N_kv] fp32 and
 // run the AVX512 path whatever the CPU (bf16 or fp32 queries); float pools take none.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
@@ -185,27 +182,27 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(at::Tensor out_a, at::
 void merge_attention_row(const float* xa, float la, const float* xb, float lb, int64_t H, float* dst_f32,
                          at::BFloat16* dst_bf16, float* lse_out);
 
-// ---- cascade_attention.cpp ----------------------------------------------------------------
+// ---- shared_prefix_decode.cpp ----------------------------------------------------------------
 
-// One shared level of a decode batch's plan (kvserve/attention/cascade.py SharedLevel): its
+// One shared level of a decode batch's plan (kvserve/attention/shared_prefix_plan.py SharedLevel): its
 // member rows (int64 [n], ascending) attend to the first num_positions positions of `blocks`
 // (int32 [P], the same at the same table indices in every member's table).
-struct CascadeLevel {
+struct SharedPrefixLevel {
   at::Tensor members;
   at::Tensor blocks;
   int64_t num_positions;
 };
 // A decode step's plan, shared by all layers: each row's suffix starts at suffix_start (int32
 // [B]); levels outer first (a level's rows merge it after the levels above it).
-struct DecodeCascade {
+struct SharedPrefixDecodePlan {
   at::Tensor suffix_start;
-  std::vector<CascadeLevel> levels;
+  std::vector<SharedPrefixLevel> levels;
 };
 // Decode attention of q [B, N_q, H] bf16 in parts: each row's suffix
 // (paged_decode_attention_lse), then every level (shared_prefix_attention, each block read once
 // for its members), merged into the rows in place in fp32, in that order. Returns [B, N_q, H] bf16.
-at::Tensor cascade_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
-                                    at::Tensor context_lens, const DecodeCascade& plan, double scale,
+at::Tensor shared_prefix_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
+                                    at::Tensor context_lens, const SharedPrefixDecodePlan& plan, double scale,
                                     c10::optional<at::Tensor> k_scale = c10::nullopt,
                                     c10::optional<at::Tensor> v_scale = c10::nullopt);
 
@@ -227,7 +224,7 @@ at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_t
                           at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 // The same RoPE, K and V quantized into int8 pools, one fp32 scale per (slot, KV head) into
-// k_scale / v_scale (the rule of kvserve/attention/paged.py quantize_kv).
+// k_scale / v_scale (the rule of kvserve/attention/kv_pool.py quantize_kv).
 at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
                                at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale, at::Tensor v_scale,
                                at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
@@ -314,7 +311,7 @@ struct DecodeModel {  // built once per loaded model (and again when the KV pool
 };
 
 // Every decoder layer of a decode batch in one call; returns the residual stream after the
-// last layer (before the final norm). With a cascade plan (not null) each layer's attention
-// reads the shared prefixes once per group (cascade_decode_attention).
+// last layer (before the final norm). With a shared-prefix plan (not null) each layer's attention
+// reads the shared prefixes once per group (shared_prefix_decode_attention).
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens, const DecodeCascade* cascade = nullptr);
+                         at::Tensor block_tables, at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix = nullptr);

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.config import cpu_supports_bf16
-from kvserve.model.arch import ModelArchitecture
+from kvserve.kernels.isa import cpu_supports_bf16
+from kvserve.arch import ModelArchitecture
 
 if TYPE_CHECKING:
     from kvserve.kernels.api import CpuOps
@@ -164,7 +164,7 @@ class KernelSupport:
         hd_multiple = lim["decode_attention_head_dim_multiple_bf16" if bf16 or int8_kv else "decode_attention_head_dim_multiple_fp32"]
         decode_attention = verdict(
             [
-                # the cascade's parts (attention/shared_prefix_plan.py) are in the shared-prefix family
+                # the shared-prefix plan's parts (attention/shared_prefix_plan.py) are in the shared-prefix family
                 family("decode_attention", "shared_prefix_attention"),
                 kv_problem,
                 multiple(hd, hd_multiple, "head_dim"),

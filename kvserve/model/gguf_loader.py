@@ -20,7 +20,7 @@ import torch
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.memory import release_free_memory
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",

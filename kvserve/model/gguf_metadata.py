@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.model.arch import ModelArchitecture, RopeScaling
+from kvserve.arch import ModelArchitecture, RopeScaling
 
 GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 

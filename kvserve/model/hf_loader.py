@@ -10,7 +10,7 @@ import torch
 
 from kvserve.errors import ModelLoadError
 from kvserve.memory import release_free_memory
-from kvserve.model.arch import ModelArchitecture, read_hf_config
+from kvserve.arch import ModelArchitecture, read_hf_config
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

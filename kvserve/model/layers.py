@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels.support import KernelSupport
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.model.linear import GateUpSiluLinear, Linear
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
@@ -20,7 +19,7 @@ from kvserve.attention.paged import paged_attention
 from kvserve.distributed.request_layout import RequestExchange, RequestHeads, RequestShardedMetadata, RequestStep
 from kvserve.kernels.support import KernelSupport
 from kvserve.memory import release_free_memory
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
 from kvserve.model.linear import Linear, cat_rows
 from kvserve.model.quant_formats import QuantizedWeight
@@ -159,11 +158,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`arch` is this rank's share under tensor parallelism (distributed/sharding.py: its
     heads and FFN columns), and `weights` are cut to it; `tp` and `vocab` (this rank's
-    [first, end) of the vocabulary, and every rank's share size) join the shares."""
+    [first, end) of the vocabulary, and every rank's share size) join the shares;
+    `request_heads`: the requests KV layout's head bookkeeping (None: the heads layout)."""
 
     def __init__(
         self, arch: ModelArchitecture, weights: dict[str, torch.Tensor], max_positions: int, kernels: KernelSupport,
         tp=None, vocab: tuple[int, int] | None = None, vocab_sizes: list[int] | None = None,
+        request_heads: RequestHeads | None = None,
     ):  # fmt: skip
         super().__init__()
         self.arch = arch
@@ -194,10 +195,7 @@ class LlamaForCausalLM(nn.Module):
                 lin.process_weights_after_loading()
         self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
-        # called with each layer's index once it has run (the engine's KV handoffs save it then); None: none
-        self.layer_hook: Callable[[int], None] | None = None
-        # the requests KV layout's head bookkeeping (set by the engine); None: the heads layout
-        self.request_heads: RequestHeads | None = None
+        self.request_heads = request_heads
         self._decode_model = None  # ops.DecodeModel, built on the first fused step
         self._fused_rows = 0  # set once the weights are processed
 
@@ -306,8 +304,11 @@ class LlamaForCausalLM(nn.Module):
     # ---- the forward pass ------------------------------------------------------------------
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | RequestShardedMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | RequestShardedMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """`after_layer(i)` is called once layer i's K/V of this step are in the pool (a KV
+        handoff sends each layer as it is done), on the layer-by-layer path."""
         h = self.embed(input_ids)
         if isinstance(meta, RequestShardedMetadata):  # the requests KV layout: this rank's rows' attention
             rank = self.tp.rank
@@ -323,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
             return residual.add_(h)
         if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
-            # attention in its parts (kernels/cascade_attention.cpp)
+            # attention in its parts (kernels/shared_prefix_decode.cpp)
             plan = meta.shared_prefix
             return self.kernels.ops.decode_layers(
                 self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
@@ -333,8 +334,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, rope, meta)
-            if self.layer_hook is not None:  # layer i's K/V of this step are in the pool
-                self.layer_hook(i)
+            if after_layer is not None:
+                after_layer(i)
         return residual.add_(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from kvserve.errors import ConfigError, ModelLoadError
 from kvserve.model import gguf_loader, gguf_metadata, hf_loader, weight_cache
 from kvserve.model.generation_config import read_generation_config
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

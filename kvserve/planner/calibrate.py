@@ -55,7 +55,7 @@ def measure_bf16_flops_per_s(size: int, seconds: float, device: str = "cpu") -> 
     loop: timing it took minutes and measured nothing kvserve runs."""
     import torch
 
-    from kvserve.config import cpu_supports_bf16
+    from kvserve.kernels.isa import cpu_supports_bf16
 
     dtype = torch.bfloat16 if device != "cpu" or cpu_supports_bf16() else torch.float32
     a = torch.randn(size, size, dtype=dtype, device=device)

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.errors import ConfigError
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.planner import formats, hardware, models
 from kvserve.planner.layout import KV_LAYOUTS
 

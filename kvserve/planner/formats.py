@@ -18,10 +18,10 @@ flags (`kvserve serve --quantization`, `--kv-cache-dtype`) and give the bytes th
 | --kv-cache-dtype  | p_kv | scale bytes s per (position, KV head), each of K and V |
 | ----------------- | ---- | ------------------------------------------------------ |
 | auto, bfloat16    | 2    | 0                                                      |
-| int8              | 1    | 4 (an fp32 scale: `kvserve.model.arch.KV_INT8_SCALE_BYTES`) |
+| int8              | 1    | 4 (an fp32 scale: `kvserve.arch.KV_INT8_SCALE_BYTES`) |
 
 so `c_kv = 2·L·N_kv·(H·p_kv + s)`, computed by the engine's own
-`kvserve.model.arch.kv_bytes_per_position`.
+`kvserve.arch.kv_bytes_per_position`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.errors import ConfigError
-from kvserve.model.arch import KV_INT8_SCALE_BYTES
+from kvserve.arch import KV_INT8_SCALE_BYTES
 from kvserve.planner.models import PlannedModel
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "q8_0", "q4_0", "q4_1", "q4_k_m")

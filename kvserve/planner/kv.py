@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 # c_kv = 2·L·N_kv·H·p_kv: one formula for engine and planner, kept with the architecture
-from kvserve.model.arch import kv_bytes_per_position  # noqa: F401
+from kvserve.arch import kv_bytes_per_position  # noqa: F401
 
 
 def logical_kv_bytes(history_positions: Sequence[int] | int, kv_bytes_per_position: float, batch: int = 1) -> float:

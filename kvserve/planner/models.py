@@ -1,7 +1,7 @@
 """The model a plan is for: the engine's shape (`ModelArchitecture`) and its parameter count P.
 
 Only the shape matters here; no weights are loaded. It comes from a preset (the shared set,
-`kvserve.model.presets`), a `config.json` or GGUF metadata, read by the engine's own readers
+`kvserve.arch_presets`), a `config.json` or GGUF metadata, read by the engine's own readers
 (`read_hf_config`, `kvserve.model.gguf_metadata.read_architecture`, both torch-free), told not
 to refuse what the engine cannot run. A GGUF's P is summed from its tensor shapes (exact); a
 `config.json` has none, so P is counted from the Llama shapes (`ModelArchitecture.num_params`,
@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvserve.errors import ConfigError, ModelLoadError
-from kvserve.model import presets
-from kvserve.model.arch import ModelArchitecture, read_hf_config
+from kvserve import arch_presets as presets
+from kvserve.arch import ModelArchitecture, read_hf_config
 from kvserve.model.gguf_metadata import field as gguf_field
 from kvserve.model.gguf_metadata import open_gguf, read_architecture
 from kvserve.planner import checks

@@ -12,18 +12,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvserve.errors import ConfigError
-from kvserve.planner import capacity, kv, latency, roofline, weight_shares
+from kvserve.planner import capacity, kv, latency, roofline, sections_memory, sections_serving, weight_shares
 from kvserve.planner.inputs import PlanInputs
 from kvserve.planner.layout import Placement, place
-from kvserve.planner.quantity import Quantity
+from kvserve.planner.quantity import Quantity, Section
 from kvserve.planner.weight_shares import ShareUnknown, WeightShare
-
-
-@dataclass(frozen=True)
-class Section:
-    key: str
-    title: str
-    quantities: list[Quantity]
 
 
 @dataclass
@@ -158,8 +151,6 @@ class Plan:
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
-    from kvserve.planner import sections_memory, sections_serving
-
     if not isinstance(inputs, PlanInputs):
         raise ConfigError("inputs", f"must be a PlanInputs, got {type(inputs).__name__}")
     derived = Derived(inputs)

@@ -107,3 +107,12 @@ def show(value: float | int | str | bool | None, unit: str = "") -> str:
     else:
         text = f"{value:,.6g}" if abs(value) < 1e5 else f"{value:,.1f}"
     return f"{text} {unit}".rstrip()
+
+
+@dataclass(frozen=True)
+class Section:
+    """A titled group of quantities: one part of `kvserve plan run`'s report."""
+
+    key: str
+    title: str
+    quantities: list[Quantity]

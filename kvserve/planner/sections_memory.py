@@ -6,13 +6,12 @@ from kvserve.planner import attention, capacity, kv
 from kvserve.planner.capacity import ideal_kv_capacity_bytes
 from kvserve.planner.layout import KV_LAYOUTS, kv_heads_per_chip
 from kvserve.planner.quantity import Quantity as Q
+from kvserve.planner.quantity import Section
 from kvserve.planner.quantity import num
 from kvserve.planner.roofline import critical_batch
 
 
 def build(d) -> list:
-    from kvserve.planner.plan import Section
-
     return [
         Section("kv", "KV cache (§3)", kv_section(d)),
         Section("attention", "Attention work (§2, §4)", attention_section(d)),

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from kvserve.planner import capacity, cost, disagg, latency, parallel
 from kvserve.planner.quantity import Quantity as Q
+from kvserve.planner.quantity import Section
 from kvserve.planner.quantity import num
 
 
 def build(d) -> list:
-    from kvserve.planner.plan import Section
-
     return [
         Section("latency", "Prefill, TTFT and total time (§4)", latency_section(d)),
         Section("tp", "Tensor parallelism and communication (§5)", tp_section(d)),

@@ -3,7 +3,7 @@
 The seed's W/N = P·p_w/N spreads every parameter evenly over the N chips, and the seed
 itself calls that an approximation (layout.py: "duplicated K/V projections would add to
 it"). The engine's tensor-parallel split (kvserve/distributed/sharding.py `plan_shard`,
-`shard_weights`) differs from it in three ways, all of which put more on a chip:
+`model/shard_weights.py`) differs from it in three ways, all of which put more on a chip:
 
 - the RMSNorm weights (two per layer and the final one) are replicated, whole, on every chip;
 - past N_kv chips each KV head's K and V projections (and biases) are held by N/N_kv chips;
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 
 # the packed layout's grid (kvserve/kernels/layouts.py GROUP and BLOCK, kept as numbers so the
 # planner stays torch-free; a test checks they agree)

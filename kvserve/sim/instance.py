@@ -23,7 +23,7 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from kvserve.errors import ConfigError
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.step_model import StepTimeModel, TensorParallel
-from kvserve.sim.step_shape import StepShape, shape_of
+from kvserve.engine.step_shape import StepShape, shape_of
 
 SAMPLED_TOKEN = 1  # what every simulated step samples: requests run with ignore_eos to their length
 

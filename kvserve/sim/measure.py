@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.sim.step_shape import StepShape
+from kvserve.engine.step_shape import StepShape
 
 
 @dataclasses.dataclass(frozen=True)

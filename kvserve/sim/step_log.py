@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvserve.engine.step_log import HEADER_KEY
 from kvserve.errors import ConfigError
-from kvserve.sim.step_shape import StepShape
+from kvserve.engine.step_shape import StepShape
 
 
 def kind_of(shape: StepShape) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 
 from kvserve.errors import ConfigError
 from kvserve.paths import cache_root
-from kvserve.sim.step_shape import StepShape
+from kvserve.engine.step_shape import StepShape
 
 MODEL_VERSION = 1
 COEFFICIENTS = ("fixed", "per_chunked_step", "per_row", "per_decode_row", "per_prefill_token", "per_mixed_prefill_token",

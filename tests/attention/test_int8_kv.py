@@ -13,7 +13,7 @@ from kvserve.engine.describe import describe
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.model_runner import plan_kv_pool
 from kvserve.errors import ConfigError
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from tests.support.paged_driver import PagedDriver
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

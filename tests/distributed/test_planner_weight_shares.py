@@ -13,12 +13,13 @@ import torch
 
 from kvserve import LLM
 from kvserve.cli import main
-from kvserve.distributed.sharding import plan_shard, shard_weights
+from kvserve.distributed.sharding import plan_shard
+from kvserve.model.shard_weights import shard_weights
 from kvserve.engine.describe import tensor_parallel_line
 from kvserve.errors import ConfigError
 from kvserve.kernels import cpu_ops, layouts
 from kvserve.model import quant_formats
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.model.loader import _quantizer
 from kvserve.planner import CHIP_PRESETS, MODEL_PRESETS, PlanInputs, from_hf_config, make_plan, weight_shares
 from kvserve.planner.weight_shares import ShareUnknown, WeightStorage

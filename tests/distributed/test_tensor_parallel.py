@@ -14,7 +14,7 @@ from kvserve.distributed.launch import free_port
 from kvserve.distributed.sharding import plan_shard
 from kvserve.engine.describe import describe, tensor_parallel_line
 from kvserve.errors import ConfigError
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from tests.support.tensor_parallel import GREEDY, PROMPTS
 from tests.support.tensor_parallel import greedy_tokens as _tokens
 

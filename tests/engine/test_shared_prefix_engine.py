@@ -94,7 +94,7 @@ def _diverge_only_at_near_ties(on, off, margin=0.1):
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
 def test_on_the_cpu_kernels(tiny_model_dirs, dtype, kv_cache_dtype):
-    """bf16 on the kernels: the plan runs there (kernels/cascade_attention.cpp, in the fused
+    """bf16 on the kernels: the plan runs there (kernels/shared_prefix_decode.cpp, in the fused
     step) and reads less, and the greedy tokens agree with the plain decode kernel's except
     after a near tie (bf16: the two orders of summation round differently; the issue asks for
     identical tokens in fp32, the kernels' numerics are in tests/kernels/

@@ -10,7 +10,7 @@ from kvserve.attention.kv_pool import quantize_kv
 from kvserve.attention.reference import decode_attention, prefill_attention
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.kernels.support import KernelSupport
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from tests.kernels.test_bindings import _tiny_model
 from tests.kernels.test_kernels import _decode_case, _prefill_case, decode_steps
 
@@ -18,7 +18,6 @@ ops = cpu_ops()
 pytestmark = pytest.mark.skipif(
     ops is None and unavailable_reason() is not None, reason=f"CPU kernels unavailable: {unavailable_reason()}"
 )
-AMX = [False, pytest.param(True, marks=pytest.mark.skipif(ops is None or not ops.amx_available(), reason="no AMX-BF16"))]
 
 
 def _quantized(k: torch.Tensor, v: torch.Tensor):
@@ -75,19 +74,15 @@ DECODE_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("amx", AMX, ids=["avx512", "amx-on"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, lens, block_size", DECODE_SHAPES)
-def test_int8_decode_attention_matches_the_torch_int8_reference(amx, dtype, num_heads, num_kv_heads, head_dim, lens, block_size):
+def test_int8_decode_attention_matches_the_torch_int8_reference(dtype, num_heads, num_kv_heads, head_dim, lens, block_size):
     q, k, v, meta = _decode_case(dtype, len(lens), num_heads, num_kv_heads, head_dim, lens, block_size=block_size)
     kq, vq, ks, vs = _quantized(k, v)
     scale = head_dim**-0.5
     expected = decode_attention(q.float(), kq, vq, meta, scale, ks, vs)
-    ops.set_amx_attention(amx)  # int8 pools never take AMX tiles: the same AVX512 path either way
-    try:
-        got = ops.paged_decode_attention(q, kq, vq, meta.decode_block_tables, meta.decode_context_lens, scale, ks, vs)
-    finally:
-        ops.set_amx_attention(True)
+    # int8 pools never take AMX tiles: the same vector path at every AVX512-BF16 level
+    got = ops.paged_decode_attention(q, kq, vq, meta.decode_block_tables, meta.decode_context_lens, scale, ks, vs)
     assert got.dtype == dtype
     # K/V are exact (widened int8 times fp32 scales), probabilities stay fp32: only the fp32
     # summation order differs, and a bf16 output's one rounding
@@ -121,7 +116,6 @@ def test_int8_decode_attention_refuses_int8_pools_without_scales():
         ops.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, 0.125, ks, vs)
 
 
-@pytest.mark.parametrize("amx", AMX, ids=["avx512", "amx"])
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size, segments",
     [
@@ -131,7 +125,7 @@ def test_int8_decode_attention_refuses_int8_pools_without_scales():
         (8, 2, 128, 32, [(0, 77), (64, 64)]),  # four chunks
     ],
 )
-def test_int8_prefill_attention_matches_the_torch_int8_reference(amx, num_heads, num_kv_heads, head_dim, block_size, segments):
+def test_int8_prefill_attention_matches_the_torch_int8_reference(num_heads, num_kv_heads, head_dim, block_size, segments):
     q, k, v, meta = _prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size)
     kq, vq, ks, vs = _quantized(k, v)
     scale = head_dim**-0.5
@@ -139,11 +133,7 @@ def test_int8_prefill_attention_matches_the_torch_int8_reference(amx, num_heads,
     prefill_attention(q.float(), kq, vq, meta, scale, expected, ks, vs)
     got = torch.full_like(q, float("nan"))
     slots, segs, _ = meta.prefill_kernel_args()
-    ops.set_amx_attention(amx)
-    try:
-        ops.paged_prefill_attention(q, kq, vq, slots, segs, scale, got, ks, vs)
-    finally:
-        ops.set_amx_attention(True)
+    ops.paged_prefill_attention(q, kq, vq, slots, segs, scale, got, ks, vs)
     # K/V exact in the bf16 tiles; the probabilities (times the V scale) and the output are
     # each rounded to bf16 once, as with bf16 pools
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)

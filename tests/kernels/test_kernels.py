@@ -72,9 +72,7 @@ def _decode_case(dtype, batch, num_heads, num_kv_heads, head_dim, lens, block_si
 
 
 @pytest.mark.parametrize(
-    "dtype, tol, amx",
-    [(torch.float32, 1e-5, False), (torch.bfloat16, 1e-2, False), (torch.bfloat16, 1e-2, True)],
-    ids=["fp32", "bf16-avx512", "bf16-amx-scores"],
+    "dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"],
 )
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, lens",
@@ -89,17 +87,12 @@ def _decode_case(dtype, batch, num_heads, num_kv_heads, head_dim, lens, block_si
         (5, 1, 96, [33, 64]),  # three chunks, g = 5: groups of 2, 2, 1
     ],
 )
-def test_decode_attention_matches_reference(dtype, tol, amx, num_heads, num_kv_heads, head_dim, lens):
-    if amx and not ops.amx_available():
-        pytest.skip("this CPU has no AMX-BF16")
+def test_decode_attention_matches_reference(dtype, tol, num_heads, num_kv_heads, head_dim, lens):
+    """At the `amx` level bf16 scores take AMX tiles, at the others vector dot products."""
     q, k, v, meta = _decode_case(dtype, len(lens), num_heads, num_kv_heads, head_dim, lens)
     scale = head_dim**-0.5
     expected = decode_attention(q.float(), k.float(), v.float(), meta, scale)
-    ops.set_amx_attention(amx)
-    try:
-        got = ops.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, scale)
-    finally:
-        ops.set_amx_attention(True)
+    got = ops.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, scale)
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 
@@ -123,7 +116,6 @@ def _prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size, seed=
     return q, k, v, AttentionMetadata(None, 0, None, None, None, None, prefills)
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size, segments",
     [
@@ -134,20 +126,14 @@ def _prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size, seed=
         (16, 1, 64, 16, [(0, 300)]),  # g = 16, more than 256 keys
     ],
 )
-def test_prefill_attention_kernel_matches_reference(amx, num_heads, num_kv_heads, head_dim, block_size, segments):
-    if amx and not ops.amx_available():
-        pytest.skip("this CPU has no AMX-BF16")
+def test_prefill_attention_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, segments):
     q, k, v, meta = _prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size)
     scale = head_dim**-0.5
     expected = torch.empty(q.shape)
     prefill_attention(q.float(), k.float(), v.float(), meta, scale, expected)
     got = torch.full_like(q, float("nan"))
     slots, segs, _ = meta.prefill_kernel_args()
-    ops.set_amx_attention(amx)
-    try:
-        ops.paged_prefill_attention(q, k, v, slots, segs, scale, got)
-    finally:
-        ops.set_amx_attention(True)
+    ops.paged_prefill_attention(q, k, v, slots, segs, scale, got)
     # probabilities and the output are each rounded to bf16 once
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
@@ -317,7 +303,7 @@ def test_amx_pack_weight_rejects_shapes_off_the_tile_grid():
 
 def _linear(w: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
     """A Linear as the engine builds one for a bf16 model on this machine."""
-    from kvserve.model.arch import ModelArchitecture
+    from kvserve.arch import ModelArchitecture
     from kvserve.model.linear import Linear
 
     arch = ModelArchitecture("llama", 320, 64, 128, 1, 4, 2, 16, 1e-6, 1e4, 64, False)

@@ -77,12 +77,10 @@ needs_kernels = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable
 
 
 @needs_kernels
-@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16-kv", "int8-kv"])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 128)], ids=["g3-h64", "g4-h128"])
-def test_kernel_reads_the_leaders_tiles_with_the_same_bits(amx, int8, num_heads, num_kv_heads, head_dim):
-    if amx and not ops.amx_available():
-        pytest.skip("this CPU has no AMX-BF16")
+def test_kernel_reads_the_leaders_tiles_with_the_same_bits(int8, num_heads, num_kv_heads, head_dim):
+    """At every level (the `amx` level's bf16 tiles included)."""
     q, k, v, prefills, sharing = _shared_case(num_heads, num_kv_heads, head_dim, 192, [(192, 30), (250, 70), (200, 3)])
     assert sharing == [(0, 0), (0, 192), (0, 192)]
     scales = (None, None)
@@ -93,12 +91,8 @@ def test_kernel_reads_the_leaders_tiles_with_the_same_bits(amx, int8, num_heads,
     slots, segs, shared = meta.prefill_kernel_args()
     assert shared.tolist() == [[0, 0], [0, 192], [0, 192]]
     alone, together = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    ops.set_amx_attention(amx)
-    try:
-        ops.paged_prefill_attention(q, k, v, slots, segs, head_dim**-0.5, alone, *scales)
-        ops.paged_prefill_attention(q, k, v, slots, segs, head_dim**-0.5, together, *scales, shared)
-    finally:
-        ops.set_amx_attention(True)
+    ops.paged_prefill_attention(q, k, v, slots, segs, head_dim**-0.5, alone, *scales)
+    ops.paged_prefill_attention(q, k, v, slots, segs, head_dim**-0.5, together, *scales, shared)
     assert torch.isfinite(together.float()).all() and torch.equal(alone, together)
 
 

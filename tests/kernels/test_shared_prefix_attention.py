@@ -1,4 +1,4 @@
-"""Shared-prefix ("cascade") decode attention kernels: shared_prefix_attention (a group's queries
+"""Shared-prefix decode attention kernels: shared_prefix_attention (a group's queries
 against its common prefix blocks, read once), paged_decode_attention_lse (each row's own
 suffix) and merge_attention_states, against an explicit fp32 reference (scores -> logsumexp
 -> softmax @ V over the gathered positions)."""
@@ -175,22 +175,16 @@ def test_lse_decode_matches_reference_over_each_rows_range(dtype, tol, num_heads
     assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(torch.all(lse[1] == -math.inf))
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
-def test_lse_decode_from_zero_is_the_decode_kernel(amx):
-    """start 0: the same sums as paged_decode_attention, whose bf16 output is this fp32 one rounded."""
-    if amx and not ops.amx_available():
-        pytest.skip("this CPU has no AMX-BF16")
+def test_lse_decode_from_zero_is_the_decode_kernel():
+    """start 0: the same sums as paged_decode_attention, whose bf16 output is this fp32 one
+    rounded (at every level, the `amx` level's tiles included)."""
     lens = [1, 17, 200, 33]
     k, v = _pools(64, 3, 64)
     tables = torch.randperm(64, generator=torch.Generator().manual_seed(2))[: 4 * 13].view(4, 13).to(torch.int32)
     q = _queries(4, 9, 64)
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    ops.set_amx_attention(amx)
-    try:
-        out, _ = ops.paged_decode_attention_lse(q, k, v, tables, lens_t, torch.zeros(4, dtype=torch.int32), 0.125)
-        plain = ops.paged_decode_attention(q, k, v, tables, lens_t, 0.125)
-    finally:
-        ops.set_amx_attention(True)
+    out, _ = ops.paged_decode_attention_lse(q, k, v, tables, lens_t, torch.zeros(4, dtype=torch.int32), 0.125)
+    plain = ops.paged_decode_attention(q, k, v, tables, lens_t, 0.125)
     assert torch.equal(out.bfloat16(), plain)
 
 
@@ -227,10 +221,10 @@ def test_lse_decode_refuses_a_start_past_the_length():
                                        torch.tensor([5], dtype=torch.int32), torch.tensor([6], dtype=torch.int32), 0.1)  # fmt: skip
 
 
-# ---- merge_attention_states and the whole cascade --------------------------------------------
+# ---- merge_attention_states and the whole plan --------------------------------------------
 
 
-def _cascade(q, k, v, prefix_blocks, prefix_len, table, suffix_lens, scale, out_dtype=torch.bfloat16):
+def _shared_prefix_decode(q, k, v, prefix_blocks, prefix_len, table, suffix_lens, scale, out_dtype=torch.bfloat16):
     n = q.shape[0]
     pre_out, pre_lse = ops.shared_prefix_attention(q, k, v, prefix_blocks, prefix_len, scale)
     lens = torch.tensor([prefix_len + s for s in suffix_lens], dtype=torch.int32)
@@ -250,7 +244,7 @@ def test_prefix_and_suffix_merged_are_one_softmax_over_the_whole_history(
     n = len(suffix_lens)
     q, k, v, prefix_blocks, table = _group_case(n, num_heads, num_kv_heads, head_dim, prefix_len, suffix_lens)
     scale = head_dim**-0.5
-    out, lse = _cascade(q, k, v, prefix_blocks, prefix_len, table, suffix_lens, scale)
+    out, lse = _shared_prefix_decode(q, k, v, prefix_blocks, prefix_len, table, suffix_lens, scale)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     lens = torch.tensor([prefix_len + s for s in suffix_lens], dtype=torch.int32)
     plain = ops.paged_decode_attention(q, k, v, table, lens, scale)
@@ -305,7 +299,7 @@ def test_merge_with_one_empty_part_is_the_other_bitwise():
     assert torch.equal(out, o) and torch.equal(lse, lse_o)
 
 
-# ---- cascade_decode_attention: a whole plan in one call ----------------------------------------
+# ---- shared_prefix_decode_attention: a whole plan in one call ----------------------------------------
 
 
 def _nested_plan_case(num_heads, num_kv_heads, head_dim, seed=3):
@@ -336,17 +330,17 @@ def _nested_plan_case(num_heads, num_kv_heads, head_dim, seed=3):
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES, ids=SHAPE_IDS)
-def test_cascade_plan_in_one_call_is_its_parts_bitwise(num_heads, num_kv_heads, head_dim):
-    """ops.cascade_decode_attention (what the fused decode step runs per layer) gives the bits of
+def test_shared_prefix_plan_in_one_call_is_its_parts_bitwise(num_heads, num_kv_heads, head_dim):
+    """ops.shared_prefix_decode_attention (what the fused decode step runs per layer) gives the bits of
     its parts called one by one and merged in the same order (suffix, then levels outer to
     inner), and each row agrees with one softmax over its whole history."""
     q, k, v, table, lens, starts, levels = _nested_plan_case(num_heads, num_kv_heads, head_dim)
     scale = head_dim**-0.5
-    plan = ops.DecodeCascade(
+    plan = ops.SharedPrefixDecodePlan(
         suffix_start=starts,
-        levels=[ops.CascadeLevel(members=m, blocks=b, num_positions=p) for m, b, p in levels],
+        levels=[ops.SharedPrefixLevel(members=m, blocks=b, num_positions=p) for m, b, p in levels],
     )
-    out = ops.cascade_decode_attention(q, k, v, table, lens, plan, scale)
+    out = ops.shared_prefix_decode_attention(q, k, v, table, lens, plan, scale)
     acc, acc_lse = ops.paged_decode_attention_lse(q, k, v, table, lens, starts, scale)
     for members, blocks, positions in levels:
         o, lse = ops.shared_prefix_attention(q[members], k, v, blocks, positions, scale)
@@ -358,25 +352,25 @@ def test_cascade_plan_in_one_call_is_its_parts_bitwise(num_heads, num_kv_heads, 
         torch.testing.assert_close(out[b].float(), ref_out, atol=TOL, rtol=TOL)
 
 
-def test_cascade_plan_on_int8_pools_agrees_with_one_softmax():
+def test_shared_prefix_plan_on_int8_pools_agrees_with_one_softmax():
     q, k, v, table, lens, starts, levels = _nested_plan_case(9, 3, 64)
     k8, v8, ks, vs, kf, vf = _int8(k, v)
-    plan = ops.DecodeCascade(
+    plan = ops.SharedPrefixDecodePlan(
         suffix_start=starts,
-        levels=[ops.CascadeLevel(members=m, blocks=b, num_positions=p) for m, b, p in levels],
+        levels=[ops.SharedPrefixLevel(members=m, blocks=b, num_positions=p) for m, b, p in levels],
     )
-    out = ops.cascade_decode_attention(q, k8, v8, table, lens, plan, 0.125, ks, vs)
+    out = ops.shared_prefix_decode_attention(q, k8, v8, table, lens, plan, 0.125, ks, vs)
     for b in range(q.shape[0]):
         ref_out, _ = reference(q[b], kf, vf, _slots(table[b], torch.arange(int(lens[b]))), 0.125)
         torch.testing.assert_close(out[b].float(), ref_out, atol=TOL, rtol=TOL)
 
 
-def test_cascade_plan_refuses_rows_outside_the_batch_or_out_of_order():
+def test_shared_prefix_plan_refuses_rows_outside_the_batch_or_out_of_order():
     q, k, v, table, lens, starts, levels = _nested_plan_case(9, 3, 64)
     members, blocks, positions = levels[0]
     for bad in (torch.tensor([0, 7]), torch.tensor([2, 1])):
-        plan = ops.DecodeCascade(suffix_start=starts, levels=[ops.CascadeLevel(members=bad, blocks=blocks, num_positions=positions)])
+        plan = ops.SharedPrefixDecodePlan(suffix_start=starts, levels=[ops.SharedPrefixLevel(members=bad, blocks=blocks, num_positions=positions)])
         with pytest.raises(RuntimeError, match="ascending rows"):
-            ops.cascade_decode_attention(q, k, v, table, lens, plan, 0.125)
+            ops.shared_prefix_decode_attention(q, k, v, table, lens, plan, 0.125)
     with pytest.raises(RuntimeError, match="one suffix start per row"):
-        ops.cascade_decode_attention(q, k, v, table, lens, ops.DecodeCascade(suffix_start=starts[:3], levels=[]), 0.125)
+        ops.shared_prefix_decode_attention(q, k, v, table, lens, ops.SharedPrefixDecodePlan(suffix_start=starts[:3], levels=[]), 0.125)

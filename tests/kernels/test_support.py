@@ -9,7 +9,7 @@ import torch
 
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.kernels.support import KernelSupport
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")

@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.engine.describe import describe
 from kvserve.errors import UnsupportedModelError
-from kvserve.model.arch import ModelArchitecture, llama_num_params
+from kvserve.arch import ModelArchitecture, llama_num_params
 from kvserve.model.gguf_metadata import open_gguf, read_architecture
 from kvserve.planner import from_gguf, from_hf_config, hardware, kv
 from tests.planner.conftest import transformers_param_count
@@ -111,7 +111,7 @@ def test_planner_plans_what_the_engine_refuses(tmp_path):
 
 
 def test_one_kv_bytes_formula():
-    from kvserve.model import arch as engine_arch
+    from kvserve import arch as engine_arch
 
     assert kv.kv_bytes_per_position is engine_arch.kv_bytes_per_position
     arch = ModelArchitecture.from_hf_config({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,

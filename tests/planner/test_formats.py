@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.cli import main
 from kvserve.errors import ConfigError
-from kvserve.model.arch import KV_INT8_SCALE_BYTES, kv_bytes_per_position
+from kvserve.arch import KV_INT8_SCALE_BYTES, kv_bytes_per_position
 from kvserve.planner import formats
 from kvserve.planner.models import PRESETS, from_gguf, with_overrides
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.errors import ModelLoadError
 from kvserve.planner import MODEL_PRESETS, from_gguf, from_hf_config, load_model
-from kvserve.model.arch import llama_num_params
+from kvserve.arch import llama_num_params
 from kvserve.planner.models import with_overrides
 from tests.planner.conftest import transformers_param_count
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvserve.errors import ConfigError
-from kvserve.model.arch import ModelArchitecture
+from kvserve.arch import ModelArchitecture
 from kvserve.planner import CHIP_PRESETS, MODEL_PRESETS, PlanInputs, PlannedModel, get_chip, load_model
 
 

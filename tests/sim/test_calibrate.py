@@ -21,7 +21,7 @@ from kvserve.sim.calibrate import calibrate_in_process
 from kvserve.sim.measure import Grid
 from kvserve.sim.step_log import read_step_log, read_timeline
 from kvserve.sim.step_model import load_step_model
-from kvserve.sim.step_shape import StepShape
+from kvserve.engine.step_shape import StepShape
 
 # the tiny Llama: 2 layers, 2 KV heads of 16 dims, float32 K and V
 TINY_KV_BYTES = 2 * 2 * 2 * 16 * 4

@@ -14,7 +14,7 @@ from kvserve.sim.instance import InstanceSpec
 from kvserve.sim.report import summary
 from kvserve.sim.simulator import Deployment, Simulator
 from kvserve.sim.step_model import TensorParallel
-from kvserve.sim.step_shape import StepShape
+from kvserve.engine.step_shape import StepShape
 from kvserve.sim.workload import Lengths, WorkloadSpec, build
 from tests.sim.helpers import BLOCK_BYTES, POOL, deployment, request, synthetic_model
 

@@ -25,7 +25,7 @@ from kvserve.sim.step_model import (
     from_datasheet,
     load_step_model,
 )
-from kvserve.sim.step_shape import StepShape
+from kvserve.engine.step_shape import StepShape
 from tests.sim.helpers import synthetic_model
 
 TRUE = StepTimeModel(

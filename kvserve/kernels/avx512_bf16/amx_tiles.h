@@ -1,6 +1,6 @@
 // What the AMX users (amx_linear.cpp, decode_attention.cpp, prefill_attention.cpp) share:
-// the tile configuration (the availability checks, amx_available and amx_attention_on, are
-// declared in kernels.h). They use only full tiles, 16 rows of 64 bytes (16 fp32 or 32
+// the tile configuration (the availability check, amx_available, is declared in
+// kernels.h). They use only full tiles, 16 rows of 64 bytes (16 fp32 or 32
 // bf16), so one configuration serves every tile they touch.
 //
 // The same sources build two levels (kvserve/kernels/build.py): `amx`, compiled with the AMX

@@ -1,7 +1,7 @@
 // Paged decode attention: one new query per request attending to its S0 + 1 cached
 // positions, read in place from the block pool through the block table (no gather copy),
 // g query heads of a KV head sharing each K/V row read. bf16 pools take AMX tiles where
-// the CPU has them (amx_attention_on) and AVX512-BF16 dot products elsewhere; fp32 pools
+// the CPU has them (amx_available: the `amx` level, tiles granted) and AVX512-BF16 dot products elsewhere; fp32 pools
 // take fp32 FMAs. int8 pools (with a scale per position and KV head) are widened in
 // registers on the AVX512 path, never AMX.
 #include <ATen/core/Tensor.h>
@@ -26,9 +26,6 @@ KVSERVE_KERNEL_FAMILY("decode_attention");
 
 // Tests switch AMX attention off to check both paths of decode and prefill attention on
 // one machine.
-static bool amx_attention_enabled = true;
-void set_amx_attention(bool enabled) { amx_attention_enabled = enabled; }
-bool amx_attention_on() { return amx_attention_enabled && amx_available(); }
 
 namespace {
 
@@ -569,7 +566,7 @@ void decode_attention_impl(const T* q, const T* k_pool, const T* v_pool, const i
 // ---- int8 pools (AVX512; never AMX) ----
 //
 // K and V rows are int8 with an fp32 scale per (position, KV head), the rule of
-// kvserve/attention/paged.py quantize_kv. Scores: the 16 K rows of a block of one KV head
+// kvserve/attention/kv_pool.py quantize_kv. Scores: the 16 K rows of a block of one KV head
 // are widened once into an L1 buffer in the query's dtype (exact: |q| <= 127 fits bf16's 8
 // significant bits), each query head dots them as bf16 / fp32 queries do, and the K scale
 // (times the softmax scale) multiplies the 16 sums: the scale is folded into the score.
@@ -915,7 +912,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_pool.size(2), block_size = k_pool.size(1);
   if (q.scalar_type() == at::kBFloat16) {
     // AMX scores need whole 16-position blocks (a block's unused slots are read, never used)
-    const bool use_amx = amx_attention_enabled && block_size % 16 == 0 && amx_available();
+    const bool use_amx = block_size % 16 == 0 && amx_available();
     decode_attention_impl<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
                                         block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(),
                                         B, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale),
@@ -986,7 +983,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
     else TORCH_CHECK(false, "paged_decode_attention_lse: bf16 or fp32 queries");
   } else if (q.scalar_type() == at::kBFloat16) {
     // AMX score tiles read 16 consecutive slots: starts on a 16-position boundary only
-    const bool use_amx = amx_attention_enabled && aligned && block_size % 16 == 0 && amx_available();
+    const bool use_amx = aligned && block_size % 16 == 0 && amx_available();
     decode_attention_impl<at::BFloat16, float>(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(),
                                                v_pool.data_ptr<at::BFloat16>(), block_tables.data_ptr<int32_t>(), lens,
                                                out.data_ptr<float>(), B, num_heads, num_kv_heads, head_dim, block_size,

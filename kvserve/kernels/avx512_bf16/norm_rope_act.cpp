@@ -132,7 +132,7 @@ at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_t
 
 namespace {
 
-// The int8 KV rule of kvserve/attention/paged.py quantize_kv, for one row of H values (a
+// The int8 KV rule of kvserve/attention/kv_pool.py quantize_kv, for one row of H values (a
 // multiple of 16) of one position and KV head: scale = max|x| / 127, q = round(x / scale)
 // clamped to ±127 (the conversion rounds half to even, as torch.round), a zero row q = 0,
 // scale 0. A true division, as torch's, so both writers store the same bytes for the same x.

@@ -18,7 +18,7 @@
 //      block can see, a row-wise causal softmax in fp32 (probabilities rounded to bf16 once,
 //      as the decode kernel does), then P·V into four C tiles at a time.
 //
-// int8 pools (a scale per position and KV head, kvserve/attention/paged.py quantize_kv) are
+// int8 pools (a scale per position and KV head, kvserve/attention/kv_pool.py quantize_kv) are
 // packed into the same tiles, each int8 as the bf16 of the same value (exact: |q| <= 127),
 // and their scales are kept per (segment, KV head) beside them: the K scale multiplies each
 // key's score before the softmax, the V scale each key's probability before it is rounded
@@ -386,7 +386,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t row_elems = num_heads * D;
   const float fscale = static_cast<float>(scale);
-  const bool use_amx = amx_attention_on();
+  const bool use_amx = amx_available();
   const ProductsFn products = use_amx ? four_products : vec_products;
   at::parallel_for(0, unit_start[n], 1, [&](int64_t b, int64_t e) {
     if (use_amx) configure_full_tiles(8);

@@ -1,4 +1,4 @@
-// Shared-prefix ("cascade") decode attention: the n requests of a group whose block tables
+// Shared-prefix decode attention: the n requests of a group whose block tables
 // start with the same P physical blocks attend to those prefix_len positions together, each
 // K/V row loaded once for all n·g query rows of its KV head, as a small matrix product; then
 // each request's own suffix (paged_decode_attention_lse, decode_attention.cpp) and the merge

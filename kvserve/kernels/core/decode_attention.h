@@ -5,7 +5,7 @@
 //
 // Pools [num_blocks, block_size, N_kv, H]: bf16 (uint16_t), fp32, or int8 with fp32 scales
 // [num_blocks, block_size, N_kv] (one per slot and KV head, the rule of
-// kvserve/attention/paged.py quantize_kv). Queries bf16 (uint16_t) or fp32.
+// kvserve/attention/kv_pool.py quantize_kv). Queries bf16 (uint16_t) or fp32.
 //
 // Arithmetic (decode_attention_core.cpp describes the layout and blocking):
 //   score = (q·k summed in fp32) · scale      (int8: · k_scale · scale)

@@ -52,7 +52,7 @@ void rope_and_cache(const RopeArgs<uint16_t>& a, uint16_t* k_pool, uint16_t* v_p
 
 // The same, K (rotated and rounded to the dtype, as the float cache would hold it) and V
 // quantized per (slot, KV head) row of H into int8 pools [num_slots, N_kv, H] with one fp32
-// scale each into k_scale / v_scale [num_slots, N_kv] (kvserve/attention/paged.py quantize_kv):
+// scale each into k_scale / v_scale [num_slots, N_kv] (kvserve/attention/kv_pool.py quantize_kv):
 // scale = max|x| / 127, q = round-half-even(x / scale) clamped to ±127; a zero row: q 0, scale 0.
 void rope_and_cache_int8(const RopeArgs<float>& a, int8_t* k_pool, int8_t* v_pool, float* k_scale, float* v_scale);
 void rope_and_cache_int8(const RopeArgs<uint16_t>& a, int8_t* k_pool, int8_t* v_pool, float* k_scale,

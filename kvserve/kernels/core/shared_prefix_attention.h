@@ -1,4 +1,4 @@
-// Shared-prefix ("cascade") decode attention at the portable levels, torch-free (the core of
+// Shared-prefix decode attention at the portable levels, torch-free (the core of
 // kernels.h's shared_prefix_attention, merge_attention_states and merge_attention_row).
 //
 // The n query rows of a group whose block tables start with the same prefix blocks attend to

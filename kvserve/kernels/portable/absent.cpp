@@ -11,8 +11,6 @@ namespace {
 }  // namespace
 
 bool amx_available() { return false; }
-void set_amx_attention(bool) {}
-bool amx_attention_on() { return false; }
 
 at::Tensor amx_linear(at::Tensor, at::Tensor, c10::optional<at::Tensor>) { absent("amx_linear"); }
 at::Tensor amx_linear_silu_mul(at::Tensor, at::Tensor) { absent("amx_linear_silu_mul"); }

@@ -1,7 +1,6 @@
 // paged_decode_attention (and its _lse variant) at the portable levels: the argument checks of
 // the AVX512-BF16 build (the same messages), then the torch-free core (core/decode_attention.h).
-// bf16, fp32 and int8 pools (int8 with their fp32 scales); never AMX at these levels
-// (set_amx_attention / amx_attention_on live in absent.cpp).
+// bf16, fp32 and int8 pools (int8 with their fp32 scales); never AMX at these levels.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels import layouts
-from kvserve.kernels.layouts import interleave_gate_up  # noqa: F401  (re-exported: its old home)
 from kvserve.kernels.support import ProjectionPlan
 from kvserve.model.linear_methods.base import LinearMethod
 

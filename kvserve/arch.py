@@ -2,7 +2,7 @@
 
 One dataclass for Llama, Mistral and Qwen2 (which differ only in QKV bias, RoPE theta
 and sliding window); read from an HF `config.json` here (`read_hf_config`) or from GGUF
-metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.model.presets`. Torch-free:
+metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.arch_presets`. Torch-free:
 the planner, the simulator and tools/make_model.py describe models with it too.
 
 Reading a shape and running it are separate decisions. A `ModelArchitecture` can hold
