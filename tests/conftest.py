@@ -23,39 +23,47 @@ def tiny_llama(tiny_model_dirs) -> str:
 
 # ---- kernel builds beside the first tests -----------------------------------------------------
 
-_prebuild = None
+_prebuilds: list = []
 
 
-def pytest_collection_finish(session) -> None:
-    """Where the run tests kernels at several levels, compile those builds in a low-priority
-    process now (kvserve/kernels/prebuild.py), on cores the first tests leave idle, instead
-    of one after another when the kernel tests reach each level (a fresh clone compiles about
-    two minutes of C++ per level on 2 cores)."""
-    global _prebuild
-    from tests.support.kernel_levels import KERNEL_LEVELS
-
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0" or not any(
-        "kernel_level" in getattr(item, "fixturenames", ()) for item in session.items
-    ):
-        return
+def _prebuild(levels: list[str]) -> None:
+    """Compile kernel levels in a low-priority process (kvserve/kernels/prebuild.py), on cores
+    the tests leave idle; a test that needs a level first waits for its build (the build's
+    lock), and the session's end stops what is left (prebuild.py stops cleanly)."""
     import subprocess
     import sys
 
+    if levels and os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0":
+        _prebuilds.append(subprocess.Popen(
+            [sys.executable, "-m", "kvserve.kernels.prebuild", *levels],
+            preexec_fn=lambda: os.nice(19), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+
+
+def pytest_sessionstart(session) -> None:
+    """The chosen level, which nearly every engine test needs, from the start: it compiles
+    while the tests are collected (a fresh clone compiles about a minute of C++ a level)."""
     from kvserve.kernels.isa import chosen_level
 
     native = chosen_level()
-    levels = sorted(KERNEL_LEVELS, key=lambda lv: lv != native)  # the one every engine test needs first
-    if levels:
-        _prebuild = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.kernels.prebuild", *levels],
-            preexec_fn=lambda: os.nice(19), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+    _prebuild([native] if native else [])
+
+
+def pytest_collection_finish(session) -> None:
+    """Where the run tests kernels at every level, the other levels too."""
+    from kvserve.kernels.isa import chosen_level
+    from tests.support.kernel_levels import KERNEL_LEVELS
+
+    if any("kernel_level" in getattr(item, "fixturenames", ()) for item in session.items):
+        _prebuild([lv for lv in KERNEL_LEVELS if lv != chosen_level()])
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    if _prebuild is not None and _prebuild.poll() is None:
-        _prebuild.terminate()  # it stops its compilers and gives back its build's lock (prebuild.py)
+    for proc in _prebuilds:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in _prebuilds:
         try:
-            _prebuild.wait(timeout=30)
+            proc.wait(timeout=30)
         except Exception:
-            _prebuild.kill()
+            proc.kill()

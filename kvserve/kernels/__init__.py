@@ -70,7 +70,7 @@ def _load(level: str | None):
     try:
         return load(
             name=name,
-            sources=[str(p) for p in build.sources],
+            sources=[str(p) for p in build.compile_units(build_dir)],
             extra_cflags=build.ninja_cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -97,8 +97,9 @@ struct FamilyRegistration {
 };
 #define KVSERVE_FAMILY_CAT2(a, b) a##b
 #define KVSERVE_FAMILY_CAT(a, b) KVSERVE_FAMILY_CAT2(a, b)
+// __COUNTER__, not __LINE__: a build compiles several sources as one unit (build.py)
 #define KVSERVE_KERNEL_FAMILY(name) \
-  static const FamilyRegistration KVSERVE_FAMILY_CAT(kvserve_family_, __LINE__)(name, KVSERVE_LEVEL_NAME)
+  static const FamilyRegistration KVSERVE_FAMILY_CAT(kvserve_family_, __COUNTER__)(name, KVSERVE_LEVEL_NAME)
 // (family, level) of every registered family, in registration order
 std::vector<std::pair<std::string, std::string>> kernel_families();
 

@@ -36,7 +36,7 @@ KVSERVE_KERNEL_FAMILY("quant_linear");
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTileRows = 8;    // rows of x per register tile
+constexpr int64_t kQuantTileRows = 8;    // rows of x per register tile
 constexpr int64_t kChunkRows = 64;  // rows whose quantized x stays cache-resident while every column group passes
 
 // ---- activations --------------------------------------------------------------------------
@@ -162,15 +162,15 @@ void rows_tile(int64_t rows, const Segment& w, int64_t g, const int8_t* xq, cons
   const int64_t KB = K / kBlock;
 #define KVSERVE_QL_CASE(R) \
   case R: column_group<Bits, HasMin, R>(w, g, xq, xd, xs, K, offset, bias, y, ldy); break;
-  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-    switch (std::min<int64_t>(kTileRows, rows - r0)) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kQuantTileRows) {
+    switch (std::min<int64_t>(kQuantTileRows, rows - r0)) {
       KVSERVE_QL_CASE(1) KVSERVE_QL_CASE(2) KVSERVE_QL_CASE(3) KVSERVE_QL_CASE(4)
       KVSERVE_QL_CASE(5) KVSERVE_QL_CASE(6) KVSERVE_QL_CASE(7) default: KVSERVE_QL_CASE(8)
     }
-    xq += kTileRows * K;
-    xd += kTileRows * KB;
-    xs += kTileRows * KB;
-    y += kTileRows * ldy;
+    xq += kQuantTileRows * K;
+    xd += kQuantTileRows * KB;
+    xs += kQuantTileRows * KB;
+    y += kQuantTileRows * ldy;
   }
 #undef KVSERVE_QL_CASE
 }

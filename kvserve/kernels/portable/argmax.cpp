@@ -8,7 +8,7 @@
 
 KVSERVE_KERNEL_FAMILY("argmax");
 
-namespace core = kvserve::KVSERVE_LEVEL_NS::argmax;
+namespace argmax_core = kvserve::KVSERVE_LEVEL_NS::argmax;
 
 // Row-wise argmax of logits [R, V] bf16 or fp32 (ties → lowest index, as torch.argmax).
 at::Tensor argmax_rows(at::Tensor x) {
@@ -17,10 +17,10 @@ at::Tensor argmax_rows(at::Tensor x) {
   auto out = at::empty({R}, x.options().dtype(at::kLong));
   auto* o = out.data_ptr<int64_t>();
   if (x.scalar_type() == at::kBFloat16) {
-    core::argmax_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), o, R, V);
+    argmax_core::argmax_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), o, R, V);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows: bf16 or fp32");
-    core::argmax_rows(x.data_ptr<float>(), o, R, V);
+    argmax_core::argmax_rows(x.data_ptr<float>(), o, R, V);
   }
   return out;
 }

@@ -14,24 +14,24 @@
 
 KVSERVE_KERNEL_FAMILY("decode_attention");
 
-namespace core = kvserve::KVSERVE_LEVEL_NS::decode_attention;
+namespace decode_attention_core = kvserve::KVSERVE_LEVEL_NS::decode_attention;
 
-static_assert(core::kMaxQueriesPerKvHead == kDecodeAttentionMaxQueriesPerKvHead, "the core's limits are kernels.h's");
-static_assert(core::kMaxHeadDim == kDecodeAttentionMaxHeadDim, "the core's limits are kernels.h's");
+static_assert(decode_attention_core::kMaxQueriesPerKvHead == kDecodeAttentionMaxQueriesPerKvHead, "the core's limits are kernels.h's");
+static_assert(decode_attention_core::kMaxHeadDim == kDecodeAttentionMaxHeadDim, "the core's limits are kernels.h's");
 
 namespace {
 
 constexpr int64_t kMaxG = kDecodeAttentionMaxQueriesPerKvHead;
 
 // the call's shapes into the core's arguments (q, tables and lengths contiguous)
-core::Args core_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+decode_attention_core::Args core_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  core::Args a;
+  decode_attention_core::Args a;
   a.q = q.data_ptr();
   a.q_bf16 = q.scalar_type() == at::kBFloat16;
-  a.pool = k_pool.scalar_type() == at::kChar    ? core::PoolType::kInt8
-           : k_pool.scalar_type() == at::kFloat ? core::PoolType::kFp32
-                                                : core::PoolType::kBf16;
+  a.pool = k_pool.scalar_type() == at::kChar    ? decode_attention_core::PoolType::kInt8
+           : k_pool.scalar_type() == at::kFloat ? decode_attention_core::PoolType::kFp32
+                                                : decode_attention_core::PoolType::kBf16;
   a.k_pool = k_pool.data_ptr();
   a.v_pool = v_pool.data_ptr();
   a.block_tables = block_tables.data_ptr<int32_t>();
@@ -93,14 +93,14 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   TORCH_CHECK(context_lens.numel() == q.size(0) && block_tables.size(0) == q.size(0),
               "paged_decode_attention: one table and length per row");
   auto out = at::empty_like(q);
-  core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale);
+  decode_attention_core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale);
   if (k_pool.scalar_type() == at::kChar) {
     a.k_scale = k_scale->data_ptr<float>();
     a.v_scale = v_scale->data_ptr<float>();
   }
   a.out = out.data_ptr();
   a.out_bf16 = q.scalar_type() == at::kBFloat16;
-  core::paged_decode_attention(a);
+  decode_attention_core::paged_decode_attention(a);
   return out;
 }
 
@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
                 "paged_decode_attention_lse: row ", b, " needs 0 <= start <= len <= its table's positions");
   auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   auto lse = at::empty({B, num_heads}, q.options().dtype(at::kFloat));
-  core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale);
+  decode_attention_core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale);
   if (int8) {
     a.k_scale = k_scale->data_ptr<float>();
     a.v_scale = v_scale->data_ptr<float>();
@@ -158,6 +158,6 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
   a.out = out.data_ptr<float>();
   a.out_bf16 = false;
   a.lse = lse.data_ptr<float>();
-  core::paged_decode_attention(a);
+  decode_attention_core::paged_decode_attention(a);
   return {out, lse};
 }

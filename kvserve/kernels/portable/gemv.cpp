@@ -10,9 +10,9 @@
 
 KVSERVE_KERNEL_FAMILY("gemv");
 
-namespace core = kvserve::KVSERVE_LEVEL_NS::gemv;
+namespace gemv_core = kvserve::KVSERVE_LEVEL_NS::gemv;
 
-static_assert(core::kTileN == kWeightTileRows && core::kTileK == kWeightTileK, "the core's VNNI tiles are kernels.h's");
+static_assert(gemv_core::kTileN == kWeightTileRows && gemv_core::kTileK == kWeightTileK, "the core's VNNI tiles are kernels.h's");
 
 namespace {
 
@@ -39,7 +39,7 @@ at::Tensor run_tiles(at::Tensor x, const at::Tensor& packed) {
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kWeightTileRows;
   auto y = at::empty({M, N}, x.options());
-  if (M > 0) core::gemm_tiles(bits(x), bits(packed), bits_out(y), M, K, N);
+  if (M > 0) gemv_core::gemm_tiles(bits(x), bits(packed), bits_out(y), M, K, N);
   return y;
 }
 
@@ -54,7 +54,7 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_rows("gemv_bf16", M);
   auto y = at::empty({M, N}, x.options());
-  core::gemv_rowmajor(bits(x), bits(w), bits_out(y), M, K, N);
+  gemv_core::gemv_rowmajor(bits(x), bits(w), bits_out(y), M, K, N);
   return y;
 }
 

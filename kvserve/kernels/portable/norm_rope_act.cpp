@@ -13,7 +13,7 @@
 
 KVSERVE_KERNEL_FAMILY("norm_rope_act");
 
-namespace core = kvserve::KVSERVE_LEVEL_NS::nra;
+namespace norm_rope_act_core = kvserve::KVSERVE_LEVEL_NS::nra;
 
 namespace {
 
@@ -40,10 +40,10 @@ E* data(const at::Tensor& t) {
 }
 
 template <typename E>
-core::RopeArgs<E> rope_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+norm_rope_act_core::RopeArgs<E> rope_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
                             const at::Tensor& sin_table, const at::Tensor& slot_mapping, const at::Tensor& q,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  core::RopeArgs<E> a;
+  norm_rope_act_core::RopeArgs<E> a;
   a.qkv = data<E>(qkv);
   a.width = qkv.size(1);
   a.positions = positions.data_ptr<int64_t>();
@@ -69,7 +69,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, c10::optional<a
   auto out = at::empty_like(x);
   dispatch_f32_bf16(x.scalar_type(), "rms_norm", [&](auto tag) {
     using E = decltype(tag);
-    core::rms_norm(data<E>(x), data<E>(weight), data<E>(out), residual ? data<E>(*residual) : nullptr, T_, D,
+    norm_rope_act_core::rms_norm(data<E>(x), data<E>(weight), data<E>(out), residual ? data<E>(*residual) : nullptr, T_, D,
                    static_cast<float>(eps));
   });
   return out;
@@ -86,7 +86,7 @@ at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos_t
   auto q = at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
   dispatch_f32_bf16(qkv.scalar_type(), "rope_and_cache", [&](auto tag) {
     using E = decltype(tag);
-    core::rope_and_cache(rope_args<E>(qkv, positions, cos_table, sin_table, slot_mapping, q, num_heads, num_kv_heads, head_dim),
+    norm_rope_act_core::rope_and_cache(rope_args<E>(qkv, positions, cos_table, sin_table, slot_mapping, q, num_heads, num_kv_heads, head_dim),
                          data<E>(k_pool), data<E>(v_pool));
   });
   return q;
@@ -102,7 +102,7 @@ at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor 
   auto q = at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
   dispatch_f32_bf16(qkv.scalar_type(), "rope_and_cache_int8", [&](auto tag) {
     using E = decltype(tag);
-    core::rope_and_cache_int8(
+    norm_rope_act_core::rope_and_cache_int8(
         rope_args<E>(qkv, positions, cos_table, sin_table, slot_mapping, q, num_heads, num_kv_heads, head_dim),
         k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(), k_scale.data_ptr<float>(), v_scale.data_ptr<float>());
   });
@@ -117,7 +117,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   auto out = at::empty({T_, F_}, gate_up.options());
   dispatch_f32_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
     using E = decltype(tag);
-    core::silu_and_mul(data<E>(gate_up), data<E>(out), T_, F_);
+    norm_rope_act_core::silu_and_mul(data<E>(gate_up), data<E>(out), T_, F_);
   });
   return out;
 }

@@ -13,17 +13,17 @@ KVSERVE_KERNEL_FAMILY("quant_linear");
 
 namespace {
 
-namespace core = kvserve::KVSERVE_LEVEL_NS::quant;
+namespace quant_linear_core = kvserve::KVSERVE_LEVEL_NS::quant;
 
-constexpr int64_t kBlock = core::kBlock;
+constexpr int64_t kBlock = quant_linear_core::kBlock;
 
 int64_t segment_bits(int64_t format) { return format == kQuantQ8 || format == kQuantQ8Min ? 8 : 4; }
 
 bool has_min(int64_t format) { return format == kQuantQ8Min || format == kQuantQ4Min; }
 
-std::vector<core::SegmentView> check_segments(const std::vector<QuantSegment>& segs, int64_t K, const char* who) {
+std::vector<quant_linear_core::SegmentView> check_segments(const std::vector<QuantSegment>& segs, int64_t K, const char* who) {
   TORCH_CHECK(!segs.empty(), who, ": no weight segments");
-  std::vector<core::SegmentView> out;
+  std::vector<quant_linear_core::SegmentView> out;
   for (const QuantSegment& s : segs) {
     TORCH_CHECK(s.format >= kQuantQ8 && s.format <= kQuantQ8Min, who, ": unknown QuantSegment.format ", s.format);
     const int64_t groups = s.codes.size(0), KB = K / kBlock;
@@ -38,7 +38,7 @@ std::vector<core::SegmentView> check_segments(const std::vector<QuantSegment>& s
       TORCH_CHECK(s.mins.defined() && s.mins.scalar_type() == at::kHalf && s.mins.is_contiguous() &&
                       s.mins.numel() == groups * KB * 16,
                   who, ": this format needs mins, fp16 [groups, K/32, 16]");
-    out.push_back(core::SegmentView{
+    out.push_back(quant_linear_core::SegmentView{
         s.codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(s.scales.data_ptr<at::Half>()),
         mins ? reinterpret_cast<const uint16_t*>(s.mins.data_ptr<at::Half>()) : nullptr, groups,
         s.scales.size(1) == 1 && KB != 1, static_cast<int>(s.format)});
@@ -61,7 +61,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<QuantSegment>&
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "quant_linear: K = ", K, " is not a multiple of ", kBlock);
-  const std::vector<core::SegmentView> w = check_segments(segs, K, "quant_linear");
+  const std::vector<quant_linear_core::SegmentView> w = check_segments(segs, K, "quant_linear");
   const int64_t N = quant_out_features(segs);
   at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (M == 0) return y;
@@ -72,22 +72,22 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<QuantSegment>&
     TORCH_CHECK(b.numel() == N, "quant_linear: bias has ", b.numel(), " values for ", N, " outputs");
     bp = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
   }
-  at::Tensor scratch = at::empty({static_cast<int64_t>(core::quant_linear_scratch_bytes(M, K))}, x.options().dtype(at::kByte));
+  at::Tensor scratch = at::empty({static_cast<int64_t>(quant_linear_core::quant_linear_scratch_bytes(M, K))}, x.options().dtype(at::kByte));
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  core::quant_linear(x.data_ptr(), x_bf16, M, K, w.data(), static_cast<int64_t>(w.size()), bp, y.data_ptr(),
+  quant_linear_core::quant_linear(x.data_ptr(), x_bf16, M, K, w.data(), static_cast<int64_t>(w.size()), bp, y.data_ptr(),
                      y.scalar_type() == at::kBFloat16, scratch.data_ptr());
   return y;
 }
 
 at::Tensor quant_embedding(const at::Tensor& ids_in, const std::vector<QuantSegment>& segs, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(K % kBlock == 0, "quant_embedding: K = ", K, " is not a multiple of ", kBlock);
-  const std::vector<core::SegmentView> w = check_segments(segs, K, "quant_embedding");
+  const std::vector<quant_linear_core::SegmentView> w = check_segments(segs, K, "quant_embedding");
   const int64_t N = quant_out_features(segs);
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t T = ids.numel();
   at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_embedding: id ", ip[t], " outside [0, ", N, ")");
-  core::quant_embedding(ip, T, w.data(), static_cast<int64_t>(w.size()), K, out.data_ptr<float>());
+  quant_linear_core::quant_embedding(ip, T, w.data(), static_cast<int64_t>(w.size()), K, out.data_ptr<float>());
   return dtype == at::kFloat ? out : out.to(dtype);
 }

@@ -12,9 +12,9 @@
 
 KVSERVE_KERNEL_FAMILY("shared_prefix_attention");
 
-namespace core = kvserve::KVSERVE_LEVEL_NS::shared_prefix;
+namespace shared_prefix_attention_core = kvserve::KVSERVE_LEVEL_NS::shared_prefix;
 
-static_assert(core::kMaxHeadDim == kDecodeAttentionMaxHeadDim, "the core's limits are kernels.h's");
+static_assert(shared_prefix_attention_core::kMaxHeadDim == kDecodeAttentionMaxHeadDim, "the core's limits are kernels.h's");
 
 // q [n, N_q, H] bf16; pools [num_blocks, block_size, N_kv, H] bf16 (or int8 with their scales);
 // prefix_blocks int32 [P]; positions [0, prefix_len) of those blocks, visible to every query
@@ -34,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
   auto out = at::empty({n, num_heads, H}, q.options().dtype(at::kFloat));
   auto lse = at::empty({n, num_heads}, q.options().dtype(at::kFloat));
   if (n == 0) return {out, lse};
-  core::Args a;
+  shared_prefix_attention_core::Args a;
   a.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   a.int8 = int8;
   a.k_pool = k_pool.data_ptr();
@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
   a.scale = static_cast<float>(scale);
   a.out = out.data_ptr<float>();
   a.lse = lse.data_ptr<float>();
-  core::shared_prefix_attention(a);
+  shared_prefix_attention_core::shared_prefix_attention(a);
   return {out, lse};
 }
 
@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(at::Tensor out_a, at::
   auto out = at::empty(out_a.sizes(), out_a.options().dtype(out_dtype));
   auto lse = at::empty(lse_a.sizes(), lse_a.options());
   const bool bf16 = out_dtype == at::kBFloat16;
-  core::merge_attention_states(out_a.data_ptr<float>(), lse_a.data_ptr<float>(), out_b.data_ptr<float>(),
+  shared_prefix_attention_core::merge_attention_states(out_a.data_ptr<float>(), lse_a.data_ptr<float>(), out_b.data_ptr<float>(),
                                lse_b.data_ptr<float>(), rows, H, bf16 ? nullptr : out.data_ptr<float>(),
                                bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr,
                                lse.data_ptr<float>());
@@ -87,5 +87,5 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(at::Tensor out_a, at::
 
 void merge_attention_row(const float* xa, float la, const float* xb, float lb, int64_t H, float* dst_f32,
                          at::BFloat16* dst_bf16, float* lse_out) {
-  core::merge_attention_row(xa, la, xb, lb, H, dst_f32, reinterpret_cast<uint16_t*>(dst_bf16), lse_out);
+  shared_prefix_attention_core::merge_attention_row(xa, la, xb, lb, H, dst_f32, reinterpret_cast<uint16_t*>(dst_bf16), lse_out);
 }
