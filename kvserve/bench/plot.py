@@ -5,16 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
-
 _PERCENTILES = (("median", "p50", "-o"), ("p90", "p90", "--s"), ("p99", "p99", ":^"))
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (no display), imported only when a plot is asked
+    for: the import costs a bench process ~20 MB of the peak RSS it reports."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_serve(results: dict[str, Any], path: str | Path) -> None:
     """Latency percentiles against achieved output throughput, one point per request rate."""
+    plt = _pyplot()
     sweep = [row for row in results["sweep"] if row["completed"]]
     throughput = [row["output_throughput_tok_per_s"] for row in sweep]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
@@ -40,6 +47,7 @@ def plot_serve(results: dict[str, Any], path: str | Path) -> None:
 
 def plot_latency(results: dict[str, Any], path: str | Path) -> None:
     """Achieved tokens/s beside the roofline, for decode and each prefill length."""
+    plt = _pyplot()
     d = results["decode"]
     labels = ["decode"] + [f"prefill {p['prompt_len']}" for p in results["prefill"]]
     achieved = [d["tok_per_s"]] + [p["tok_per_s"] for p in results["prefill"]]
@@ -62,6 +70,7 @@ def plot_latency(results: dict[str, Any], path: str | Path) -> None:
 
 def plot_throughput(results: dict[str, Any], path: str | Path) -> None:
     """Output and total tokens/s of each engine that ran."""
+    plt = _pyplot()
     engines = [r for r in results["engines"] if "error" not in r]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = range(len(engines))
