@@ -51,6 +51,10 @@ constexpr int kTileRows = 4;  // 32 ymm registers with EVEX
 #else
 constexpr int kTileRows = 2;  // 16 ymm registers
 #endif
+// codes this far ahead asked for as each block starts: with the hardware prefetcher alone a
+// core pulled the weights at ~10 GB/s (Llama-3.2-1B shape, Q4_0, avx2 decode: 28.5-31.2 ms a
+// step against 26.1-27.8 with 8 KiB, 27.3-28.0 with 2 KiB, alternating pairs on Zen 4)
+constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kChunkRows = 64;  // rows whose quantized x stays cache-resident while every group passes
 // below this many (row, group, block) steps the call runs on the calling thread
 constexpr int64_t kParallelMinWork = 512;
@@ -213,6 +217,9 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b, codes += Fmt::kBytes, scales += scale_step) {
+#pragma GCC unroll 8
+    for (int64_t line = 0; line < Fmt::kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + line, _MM_HINT_T0);
     __m256i S[R][2];
     block_sums<F, R>(codes, xq + b * kBlock, K, S);
     const __m256 d[2] = {simd::load8_f16(scales), simd::load8_f16(scales + 8)};
