@@ -43,31 +43,21 @@ class KernelBuild:
     tree: str  # "portable" (core/ + portable/) or "avx512_bf16"
     isa_flags: tuple[str, ...]
 
+    def _groups(self) -> dict[str, list[Path]]:
+        """The sources compiled as one unit each, by the unit's name (bindings.cpp is apart)."""
+        trees = ["core", "portable"] if self.tree == "portable" else [self.tree]
+        return {"glue": [HERE / n for n in _GLUE[1:]], **{t: sorted((HERE / t).glob("*.cpp")) for t in trees}}
+
     @property
     def sources(self) -> list[Path]:
-        # every source file of the build (its name hashes them; compile_units groups them for the compiler)
-        glue = [HERE / n for n in _GLUE]
-        if self.tree == "portable":
-            family = sorted((HERE / "core").glob("*.cpp")) + sorted((HERE / "portable").glob("*.cpp"))
-        else:
-            family = sorted((HERE / self.tree).glob("*.cpp"))
-        sources = glue + family
-        # torch's build names each object after its source's file name alone
-        stems = [p.stem for p in sources]
-        dup = sorted({s for s in stems if stems.count(s) > 1})
-        assert not dup, f"kernel sources share object names {dup}: core/ files end in _core.cpp"
-        return sources
+        """Every source file of the build (its module name hashes them)."""
+        return [HERE / _GLUE[0], *(f for files in self._groups().values() for f in files)]
 
     def compile_units(self, build_dir: Path) -> list[Path]:
         """What the compiler is given: bindings.cpp, then one unit per group of sources, each a
         file in `build_dir` that #includes its group (written once: a rewrite would rebuild it)."""
-        glue = [HERE / n for n in _GLUE[1:]]
-        if self.tree == "portable":
-            groups = {"glue": glue, "core": sorted((HERE / "core").glob("*.cpp")), "portable": sorted((HERE / "portable").glob("*.cpp"))}
-        else:
-            groups = {"glue": glue, self.tree: sorted((HERE / self.tree).glob("*.cpp"))}
         units = [HERE / _GLUE[0]]
-        for name, files in groups.items():
+        for name, files in self._groups().items():
             unit = build_dir / f"unit_{name}.cpp"
             text = "".join(f'#include "{f.resolve()}"\n' for f in files)
             if not unit.exists() or unit.read_text() != text:
