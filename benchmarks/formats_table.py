@@ -3,7 +3,7 @@
     python -m benchmarks.formats_table FILE.json …
 
 Rows are keyed by the model file and the engine's format flags (`--quantization`,
-`--kv-cache-dtype`, `--dtype`) recorded in each JSON; `kvserve bench latency` (with
+`--kv-cache-dtype`, `--dtype`, `--cpu-isa`) recorded in each JSON; `kvserve bench latency` (with
 `--compare-llama-cpp`) gives decode and prefill against llama.cpp, `kvserve bench
 throughput` total tok/s and peak RSS, `kvserve bench quality` perplexity and KL against
 its reference. A figure a row has no JSON for is a dash.
@@ -27,6 +27,8 @@ def _key(data: dict[str, Any]) -> tuple[str, str]:
         fmt += f", KV {args['kv_cache_dtype']}"
     if args.get("dtype", "auto") != "auto":
         fmt += f", dtype {args['dtype']}"
+    if args.get("cpu_isa"):  # a forced kernel level: one file at two levels is two rows
+        fmt += f", level {args['cpu_isa']}"
     return model, fmt
 
 
