@@ -1,7 +1,7 @@
 """The shape of a Llama-family model: everything the forward pass and the KV cache need.
 
-One dataclass for Llama, Mistral and Qwen2 (which differ only in QKV bias, RoPE theta
-and sliding window); read from an HF `config.json` here (`read_hf_config`) or from GGUF
+One dataclass for Llama, Mistral, Qwen2 and Qwen3 (which differ in QKV bias, per-head
+q/k RMSNorm, RoPE theta and sliding window); read from an HF `config.json` here (`read_hf_config`) or from GGUF
 metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.arch_presets`. Torch-free:
 the planner, the simulator and tools/make_model.py describe models with it too.
 
@@ -21,9 +21,12 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
+
+# model types whose attention normalises each q and k head (Qwen3Attention's q_norm / k_norm)
+_QK_NORM_TYPES = ("qwen3",)
 
 # Read first, in this order, so a missing one is named the same way every time.
 _REQUIRED_HF_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -47,36 +50,56 @@ KV_INT8_SCALE_BYTES = 4
 
 
 def llama_layer_params(
-    d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int, head_dim: int, *, attention_bias: bool = False
+    d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int, head_dim: int, *,
+    attention_bias: bool = False, qk_norm: bool = False,
 ) -> int:
     """Parameters of one Llama decoder layer: Q/K/V/O, the gated MLP, two RMSNorms; with
-    `attention_bias` (Qwen2) the Q, K and V biases, (N_q + 2·N_kv)·H (O has none)."""
+    `attention_bias` (Qwen2) the Q, K and V biases, (N_q + 2·N_kv)·H (O has none); with
+    `qk_norm` (Qwen3) the q and k RMSNorm weights, H each (shared by every head)."""
     attention = d_model * head_dim * (2 * num_query_heads + 2 * num_kv_heads)
     if attention_bias:
         attention += (num_query_heads + 2 * num_kv_heads) * head_dim
+    if qk_norm:
+        attention += 2 * head_dim
     return attention + 3 * d_model * ffn_width + 2 * d_model
 
 
 def llama_num_params(
     num_layers: int, d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int,
-    head_dim: int, vocab_size: int, tied_embeddings: bool, *, attention_bias: bool = False,
+    head_dim: int, vocab_size: int, tied_embeddings: bool, *, attention_bias: bool = False, qk_norm: bool = False,
 ) -> int:
     """P of a Llama-shaped decoder: embeddings (and an untied LM head), the layers
     (`llama_layer_params`), then the final norm. A GGUF can be counted exactly from its
     tensor shapes instead."""
-    per_layer = llama_layer_params(d_model, ffn_width, num_query_heads, num_kv_heads, head_dim, attention_bias=attention_bias)
+    per_layer = llama_layer_params(
+        d_model, ffn_width, num_query_heads, num_kv_heads, head_dim, attention_bias=attention_bias, qk_norm=qk_norm
+    )
     embeddings = vocab_size * d_model * (1 if tied_embeddings else 2)
     return num_layers * per_layer + embeddings + d_model
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
+    """A config's RoPE scaling, as transformers' rope_utils reads it (kvserve/model/layers.py
+    computes the frequencies): `linear` divides every frequency by `factor`; `llama3` keeps,
+    scales or blends frequency bands; `yarn` blends interpolated and extrapolated frequencies
+    over the dimensions between `beta_fast` and `beta_slow` rotations and scales cos/sin by an
+    attention factor; `dynamic` (NTK) is the unscaled RoPE up to the original context, which
+    is as far as the engine serves such a model."""
+
     rope_type: str = "default"
     factor: float = 1.0
     # llama3 only: frequency bands that keep, scale, or blend between the two
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only (transformers' defaults where a config leaves them out)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +118,9 @@ class ModelArchitecture:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Qwen3: an RMSNorm over each query and key head (one weight of H per projection) between
+    # the QKV projection and RoPE
+    qk_norm: bool = False
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -137,7 +163,7 @@ class ModelArchitecture:
         """Parameters of all decoder layers (what multiplies every token's activations)."""
         return self.num_layers * llama_layer_params(
             self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
-            attention_bias=self.attention_bias,
+            attention_bias=self.attention_bias, qk_norm=self.qk_norm,
         )
 
     @property
@@ -146,7 +172,7 @@ class ModelArchitecture:
         return llama_num_params(
             self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
             self.head_dim, self.vocab_size, tied_embeddings=self.tie_word_embeddings,
-            attention_bias=self.attention_bias,
+            attention_bias=self.attention_bias, qk_norm=self.qk_norm,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,6 +224,7 @@ class ModelArchitecture:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=model_type in _QK_NORM_TYPES,
             rope_scaling=_rope_scaling(config),
             sliding_window=window,
             bos_token_id=config.get("bos_token_id"),
@@ -242,6 +269,11 @@ def _rope_scaling(config: dict[str, Any]) -> RopeScaling:
     if rope_type == "default":
         return RopeScaling()
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    kwargs = {k: v for k, v in params.items() if k in fields}
+    kwargs = {k: v for k, v in params.items() if k in fields and v is not None}
     kwargs["rope_type"] = rope_type
+    if rope_type in ("yarn", "dynamic") and "original_max_position_embeddings" not in kwargs:
+        # transformers' standardize_rope_params: the config's own context is the original one
+        kwargs["original_max_position_embeddings"] = config.get("max_position_embeddings", 4096)
+    if rope_type == "yarn" and params.get("factor") is None:
+        kwargs["factor"] = config.get("max_position_embeddings", 4096) / kwargs["original_max_position_embeddings"]
     return RopeScaling(**kwargs)

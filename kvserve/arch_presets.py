@@ -20,6 +20,11 @@ def _llama3_rope(factor: float) -> RopeScaling:
     return RopeScaling("llama3", factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
+def _qwen3(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int, tied: bool, context: int) -> ModelArchitecture:
+    return ModelArchitecture("qwen3", vocab, hidden, ffn, layers, heads, kv_heads, 128, 1e-6, 1_000_000.0, context, tied,
+                             qk_norm=True)  # fmt: skip
+
+
 _LLAMA_3_8B = _llama(32, 4096, 14336, 32, 8, 128, 128256, False, 500000.0, 131072, _llama3_rope(8.0))
 
 PRESETS: dict[str, ModelArchitecture] = {
@@ -28,6 +33,7 @@ PRESETS: dict[str, ModelArchitecture] = {
     "smollm2-135m": _llama(30, 576, 1536, 9, 3, 64, 49152, True, 100000.0, 8192),
     "llama-3.2-1b": _llama(16, 2048, 8192, 32, 8, 64, 128256, True, 500000.0, 131072, _llama3_rope(32.0)),
     "llama-3.1-8b": _LLAMA_3_8B,
+    "qwen3-1.7b": _qwen3(28, 2048, 6144, 16, 8, 151936, True, 40960),
     # every tensor kind (an untied LM head too), every row a whole number of 256-weight super-blocks
     "tiny": _llama(2, 256, 512, 4, 2, 64, 49152, False, 10000.0, 8192),
 }
@@ -38,5 +44,6 @@ NOTES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M (tied embeddings), the engine's default model",
     "llama-3.2-1b": "Llama-3.2-1B (tied embeddings)",
     "llama-3.1-8b": "Llama-3.1-8B",
+    "qwen3-1.7b": "Qwen3-1.7B (tied embeddings; head_dim 128, per-head q/k RMSNorm)",
     "tiny": "two layers of hidden 256, the test shape of tools/make_model.py",
 }

@@ -114,6 +114,8 @@ def _tensors(s: ModelArchitecture) -> list[tuple[str, str | None, tuple[int, ...
              ("attn_k", "self_attn.k_proj", (kv, D)), ("attn_v", "self_attn.v_proj", (kv, D)),
              ("attn_output", "self_attn.o_proj", (D, q)), ("ffn_norm", "post_attention_layernorm", (D,)),
              ("ffn_gate", "mlp.gate_proj", (F, D)), ("ffn_up", "mlp.up_proj", (F, D)), ("ffn_down", "mlp.down_proj", (D, F))]  # fmt: skip
+    if s.qk_norm:  # Qwen3: one RMSNorm weight of head_dim for the q heads, one for the k heads
+        layer[4:4] = [("attn_q_norm", "self_attn.q_norm", (s.head_dim,)), ("attn_k_norm", "self_attn.k_norm", (s.head_dim,))]
     for i in range(s.num_layers):
         out += [(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", shape) for g, h, shape in layer]
     out.append(("output_norm.weight", "model.norm.weight", (D,)))
@@ -252,7 +254,8 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
 
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    a = shape.architecture  # the GGUF's key prefix, as llama.cpp names the architecture
+    w = gguf.GGUFWriter(str(tmp), a)
     w.add_type("model")
     w.add_name(f"random {shape_name} {fmt}")
     w.add_string("general.description", f"random weights (std {WEIGHT_STD}) made by tools/make_model.py, seed {seed}; "
@@ -263,9 +266,9 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
             "attention.head_count_kv": shape.num_kv_heads, "attention.key_length": shape.head_dim,
             "attention.value_length": shape.head_dim, "vocab_size": shape.vocab_size}  # fmt: skip
     for key, value in ints.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", shape.rms_norm_eps)
-    w.add_float32("llama.rope.freq_base", shape.rope_theta)
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_norm_eps)
+    w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
     w.add_uint32("general.file_type", _FILE_TYPES[fmt])
     if fmt not in ("f16", "bf16"):
         w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
@@ -299,9 +302,12 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     return MadeModel(out, shape_name, fmt, time.perf_counter() - start, out.stat().st_size, counts)
 
 
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def hf_config(shape: ModelArchitecture, bos: int | None, eos: int | None) -> dict:
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [_HF_CLASSES[shape.architecture]], "model_type": shape.architecture,
         "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
         "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab_size": shape.vocab_size,

@@ -118,11 +118,21 @@ class DecodeLayer(Protocol):
         o: Projection,
         gate_up: Projection,
         down: Projection,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
     ) -> None: ...
 
     @property
     def input_norm(self) -> torch.Tensor:
         """RMSNorm weight before attention."""
+
+    @property
+    def q_norm(self) -> torch.Tensor | None:
+        """Per-head RMSNorm weight [H] of the query heads (Qwen3), applied before RoPE; None where the model has none."""
+
+    @property
+    def k_norm(self) -> torch.Tensor | None:
+        """The same for the key heads."""
 
     @property
     def post_attention_norm(self) -> torch.Tensor:

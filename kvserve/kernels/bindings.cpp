@@ -136,11 +136,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("silu_interleaved", &Projection::silu_interleaved);
 
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local(), "one decoder layer's norms and projections, for decode_layers")
-      .def(py::init<at::Tensor, at::Tensor, Projection, Projection, Projection, Projection>(), py::kw_only(),
-           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"))
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, Projection qkv, Projection o,
+                       Projection gate_up, Projection down, c10::optional<at::Tensor> q_norm,
+                       c10::optional<at::Tensor> k_norm) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayer: q_norm and k_norm come together");
+             return DecodeLayer{input_norm, post_attention_norm, q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()),
+                                qkv, o, gate_up, down};
+           }),
+           py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def_readonly("input_norm", &DecodeLayer::input_norm)
       .def_readonly("post_attention_norm", &DecodeLayer::post_attention_norm)
+      .def_property_readonly("q_norm", maybe(&DecodeLayer::q_norm))
+      .def_property_readonly("k_norm", maybe(&DecodeLayer::k_norm))
       .def_readonly("qkv", &DecodeLayer::qkv)
       .def_readonly("o", &DecodeLayer::o)
       .def_readonly("gate_up", &DecodeLayer::gate_up)

@@ -13,6 +13,25 @@
 
 #include "kernels.h"
 
+namespace {
+
+// Qwen3's q/k norm: rms_norm over each query and key head of the QKV output, in place (V is
+// left as it is). The same rms_norm rows, in the same layout, as the Python layer
+// (model/llama.py norm_heads_), so the fused step and the layer-by-layer one agree bitwise.
+void norm_heads_(at::Tensor& qkv, const DecodeLayer& layer, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 double eps) {
+  const int64_t T = qkv.size(0);
+  at::Tensor heads = qkv.view({T, num_heads + 2 * num_kv_heads, head_dim});
+  for (int part = 0; part < 2; ++part) {
+    const int64_t first = part == 0 ? 0 : num_heads, count = part == 0 ? num_heads : num_kv_heads;
+    at::Tensor rows = heads.narrow(1, first, count);
+    rows.copy_(rms_norm(rows.reshape({T * count, head_dim}), part == 0 ? layer.q_norm : layer.k_norm, eps, c10::nullopt)
+                   .view({T, count, head_dim}));
+  }
+}
+
+}  // namespace
+
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
                          at::Tensor block_tables, at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix) {
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
@@ -33,6 +52,7 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
                                       : rms_norm(h, layer.input_norm, eps, c10::nullopt);
     if (!residual.defined()) residual = h;
     at::Tensor qkv = linear(x, layer.qkv);
+    if (layer.q_norm.defined()) norm_heads_(qkv, layer, num_heads, num_kv_heads, head_dim, eps);
     at::Tensor q, attn;
     c10::optional<at::Tensor> k_scale, v_scale;
     if (int8) {

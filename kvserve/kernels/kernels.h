@@ -298,6 +298,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const Projection& p);
 
 struct DecodeLayer {
   at::Tensor input_norm, post_attention_norm;  // RMSNorm weights
+  at::Tensor q_norm, k_norm;  // per-head q/k RMSNorm weights [H] (Qwen3); undefined where the model has none
   Projection qkv, o, gate_up, down;
 };
 

@@ -91,6 +91,7 @@ class KernelSupport:
     prefill_attention: KernelChoice
     rms_norm: KernelChoice
     rope_and_cache: KernelChoice
+    qk_norm: KernelChoice
     silu_and_mul: KernelChoice
     argmax_rows: KernelChoice
     gemv: KernelChoice
@@ -187,6 +188,11 @@ class KernelSupport:
             [family("norm_rope_act"), kv_problem, multiple(hd, lim["rope_head_dim_multiple"], "head_dim")],
             "RoPE and the K/V write" + (" (quantized to int8)" if int8_kv else "") + " in one pass",
         )
+        # rms_norm's kernel over each q and k head's H features (rows of H)
+        qk_norm = verdict(
+            [family("norm_rope_act"), multiple(hd, lim["rms_norm_width_multiple"], "head_dim")],
+            "rms_norm over each q and k head, before RoPE",
+        ) if arch.qk_norm else KernelChoice.off("no per-head q/k norm in this architecture")
         silu_and_mul = verdict([family("norm_rope_act"), multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")], "one pass")
         argmax_rows = verdict([family("argmax")], "greedy rows of the sampler")
 
@@ -222,14 +228,15 @@ class KernelSupport:
             [None if bf16 else "bfloat16 only"]
             + [None if c.enabled else f"{name} is off"
                for name, c in (("decode attention", decode_attention), ("rms_norm", rms_norm),
-                               ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))],
+                               ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))]
+            + [None if qk_norm.enabled or not arch.qk_norm else "q/k norm is off"],
             "all layers of a decode batch in one C++ call",
         )
         return cls(
             quant_linear=cls.quant_linear_choice(dtype, device, ops),
             summary=f"kvserve CPU kernels at the {level} level" + (" (AMX tiles granted)" if amx else ""),
             decode_attention=decode_attention, prefill_attention=prefill_attention, rms_norm=rms_norm,
-            rope_and_cache=rope_and_cache, silu_and_mul=silu_and_mul, argmax_rows=argmax_rows, gemv=gemv,
+            rope_and_cache=rope_and_cache, qk_norm=qk_norm, silu_and_mul=silu_and_mul, argmax_rows=argmax_rows, gemv=gemv,
             amx_linear=amx_linear, onednn_linear=onednn_linear, silu_epilogue=silu_epilogue,
             argmax_epilogue=argmax_epilogue, fused_decode=fused_decode, gemv_max_rows=lim["gemv_max_rows"],
             amx_argmax_max_rows=lim["amx_argmax_max_rows"], tile_rows=lim["tile_rows"], tile_k=lim["tile_k"], amx=amx,
@@ -259,7 +266,7 @@ class KernelSupport:
 
     def op(self, name: str):
         """The compiled module if kernel `name` (a KernelChoice field: rms_norm, rope_and_cache,
-        silu_and_mul, argmax_rows, decode_attention, prefill_attention) is on for this model,
+        qk_norm, silu_and_mul, argmax_rows, decode_attention, prefill_attention) is on for this model,
         else None: the caller's plain-torch path."""
         return self.ops if getattr(self, name).enabled else None
 

@@ -8,6 +8,7 @@ business.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.arch import ModelArchitecture, RopeScaling
 
-GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 
 
 _MAGIC = b"GGUF"
@@ -236,6 +237,19 @@ def read_architecture(reader, *, require_supported: bool = True, source: Path | 
     elif scaling_type == "linear" or not require_supported:
         factor = field(reader, f"{a}.rope.scaling.factor")
         rope_scaling = RopeScaling(rope_type=scaling_type, factor=1.0 if factor is None else float(factor))
+    elif scaling_type == "yarn":  # llama.cpp's keys; the ramp's betas where the converter wrote them
+        factor = field(reader, f"{a}.rope.scaling.factor")
+        original = field(reader, f"{a}.rope.scaling.original_context_length")
+        if factor is None or original is None:
+            raise ModelLoadError(f"{where}: yarn RoPE scaling without {a}.rope.scaling.factor and .original_context_length")
+        # llama.cpp multiplies its own 1 + 0.1·ln(factor) by the file's attn_factor (default 1)
+        attn = float(field(reader, f"{a}.rope.scaling.attn_factor", 1.0))
+        rope_scaling = RopeScaling(
+            rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original),
+            beta_fast=float(field(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(field(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+            attention_factor=attn * (1.0 + 0.1 * math.log(float(factor)) if float(factor) > 1 else 1.0),
+        )  # fmt: skip
     else:
         raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling_type!r}")
     eos_ids: list[int] = []
@@ -258,6 +272,7 @@ def read_architecture(reader, *, require_supported: bool = True, source: Path | 
         max_position_embeddings=int(field(reader, f"{a}.context_length", 4096)),
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),

@@ -34,6 +34,41 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def rope_attention_factor(arch: ModelArchitecture) -> float:
+    """The factor on cos and sin (so on every attention logit, squared): YaRN's, else 1."""
+    scaling = arch.rope_scaling
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
+def _yarn_inverse_frequencies(arch: ModelArchitecture, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: dimensions that turn more than beta_fast times over the original context keep
+    their frequency, those under beta_slow are interpolated (÷ factor), a linear ramp between."""
+    s, dim, base = arch.rope_scaling, arch.head_dim, arch.rope_theta
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the extrapolated (unscaled) frequency
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
+
+
 def rope_inverse_frequencies(arch: ModelArchitecture, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
     """θ_i = theta^(-2i/H), adjusted by the model's RoPE scaling."""
     dim = arch.head_dim
@@ -41,6 +76,8 @@ def rope_inverse_frequencies(arch: ModelArchitecture, rope_freqs: torch.Tensor |
     scaling = arch.rope_scaling
     if rope_freqs is not None:  # GGUF carries precomputed per-frequency divisors (llama3)
         inv_freq = inv_freq / rope_freqs.to(torch.float64)
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn_inverse_frequencies(arch, inv_freq)
     elif scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.rope_type == "llama3":
@@ -66,9 +103,11 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # [max_pos, H/2]: rotate-half uses the same angle for both halves of a row, so one
-        # half is stored; the fused kernel reads it as is, `lookup` widens the rows it needs
-        self.register_buffer("cos_half", freqs.cos().contiguous(), persistent=False)
-        self.register_buffer("sin_half", freqs.sin().contiguous(), persistent=False)
+        # half is stored; the fused kernel reads it as is, `lookup` widens the rows it needs.
+        # YaRN's attention factor is folded in here, as transformers scales its cos and sin
+        factor = rope_attention_factor(arch)
+        self.register_buffer("cos_half", (freqs.cos() * factor).contiguous(), persistent=False)
+        self.register_buffer("sin_half", (freqs.sin() * factor).contiguous(), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for these positions, [T, 1, H]; computed once per step, shared by all layers."""

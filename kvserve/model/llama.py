@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2) over a flat batch of tokens from many requests.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens from many requests.
 
 `forward(input_ids[T], positions[T], meta)` runs every layer for all T new positions of
 the step, reading and appending the paged KV cache; `compute_logits` projects only the
@@ -56,6 +56,12 @@ class LlamaAttention(nn.Module):
         bias = torch.cat([w.pop(f"{prefix}.{n}_proj.bias") for n in "qkv"], dim=0) if arch.attention_bias else None
         self.qkv = Linear(qkv, bias, kernels)
         self.o = Linear(w.pop(f"{prefix}.o_proj.weight"), None, kernels)
+        # Qwen3: RMSNorm over each q and k head (weights [H], shared by the heads), before RoPE
+        self.q_norm = self.k_norm = None
+        if arch.qk_norm:
+            ops = kernels.op("qk_norm")
+            self.q_norm = RMSNorm(w.pop(f"{prefix}.q_norm.weight"), arch.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(w.pop(f"{prefix}.k_norm.weight"), arch.rms_norm_eps, ops)
         self.rope_ops = kernels.op("rope_and_cache")
         self.decode_ops = kernels.op("decode_attention")
         self.prefill_ops = kernels.op("prefill_attention")
@@ -96,6 +102,8 @@ class LlamaAttention(nn.Module):
         self, qkv: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata, num_heads: int, num_kv_heads: int
     ) -> torch.Tensor:
         """RoPE on Q and K; the new K/V written to their slots before anyone attends. Returns Q."""
+        if self.q_norm is not None:
+            qkv = norm_heads_(qkv.contiguous(), self.q_norm, self.k_norm, num_heads, num_kv_heads, self.head_dim)
         if self.rope_ops is not None and self.k_scale is not None:
             return self.rope_ops.rope_and_cache_int8(
                 qkv, rope.positions, rope.cos_half, rope.sin_half, self.k_pool, self.v_pool, self.k_scale, self.v_scale,
@@ -115,6 +123,20 @@ class LlamaAttention(nn.Module):
         v = v.reshape(tokens, num_kv_heads, self.head_dim)
         write_kv(self.k_pool, self.v_pool, meta.slot_mapping, k, v, self.k_scale, self.v_scale)
         return q
+
+
+def norm_heads_(
+    qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int, head_dim: int
+) -> torch.Tensor:
+    """Qwen3's q/k norm on a QKV output [T, (N_q + 2·N_kv)·H], in place: each query head's H
+    features through q_norm, each key head's through k_norm, V as it is. Rows of H, so the
+    kernel path is rms_norm's own (kernels/fused_decode.cpp norm_heads_ does the same)."""
+    tokens = qkv.shape[0]
+    heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, head_dim)
+    for first, count, norm in ((0, num_heads, q_norm), (num_heads, num_kv_heads, k_norm)):
+        rows = heads[:, first : first + count]
+        rows.copy_(norm(rows.reshape(tokens * count, head_dim)).view(tokens, count, head_dim))
+    return qkv
 
 
 def _all_reduce(tp, x: torch.Tensor) -> torch.Tensor:
@@ -374,6 +396,8 @@ class LlamaForCausalLM(nn.Module):
                     o=layer.self_attn.o.fused_projection(),
                     gate_up=layer.mlp.gate_up.fused_projection(),
                     down=layer.mlp.down.fused_projection(),
+                    q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight.detach(),
+                    k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight.detach(),
                 )
                 for layer in self.layers
             ]

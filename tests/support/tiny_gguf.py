@@ -22,6 +22,8 @@ _NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -56,6 +58,10 @@ def write_gguf(
     w.add_uint32(f"{a}.attention.head_count_kv", n_kv)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     w.add_float32(f"{a}.rope.freq_base", float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    if head_dim != config["hidden_size"] // n_heads:  # as llama.cpp's converter: only where it differs
+        w.add_uint32(f"{a}.attention.key_length", head_dim)
+        w.add_uint32(f"{a}.attention.value_length", head_dim)
 
     vocab = tok["model"]["vocab"]
     added = {t["content"]: t["id"] for t in tok["added_tokens"]}
@@ -80,6 +86,8 @@ def write_gguf(
         add("output.weight", weights["lm_head.weight"])
     for i in range(config["num_hidden_layers"]):
         for hf_name, gguf_name in _NAMES.items():
+            if f"model.layers.{i}.{hf_name}" not in weights:  # q/k norms: Qwen3's only
+                continue
             t = weights[f"model.layers.{i}.{hf_name}"]
             if hf_name.startswith("self_attn.q_proj") and architecture == "llama":
                 t = _llama_cpp_permute(t, n_heads)

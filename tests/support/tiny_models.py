@@ -1,4 +1,4 @@
-"""Tiny random Llama-family checkpoints for tests, written as real HF directories.
+"""Tiny random Llama-family checkpoints (Llama, Qwen2, Qwen3) for tests, written as real HF directories.
 
 A byte-level BPE tokenizer is trained on a few sentences (milliseconds) and given a
 ChatML template, so the tiny models exercise the same load path as real ones.
@@ -54,10 +54,14 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     hidden_size: int = 64,
     num_layers: int = 2,
+    head_dim: int | None = None,
+    rope_parameters: dict | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write a random model + tokenizer to `path` (an HF directory); returns `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Write a random model + tokenizer to `path` (an HF directory); returns `path`.
+    `head_dim`: Qwen3's own (its config names it; hidden_size / num_heads otherwise);
+    `rope_parameters`: a Llama's RoPE scaling, as transformers' config takes it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tokenizer()
     common = dict(
@@ -80,8 +84,16 @@ def make_tiny_model(
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif model_type == "qwen3":
+        config = Qwen3Config(rope_theta=1_000_000.0, head_dim=head_dim or hidden_size // num_heads, **common)
+        model = Qwen3ForCausalLM(config)
+        with torch.no_grad():  # the q/k norms start at 1; make them matter
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.normal_(1.0, 0.3)
     else:
-        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+        rope = {"rope_parameters": {"rope_theta": 10000.0, **rope_parameters}} if rope_parameters else {"rope_theta": 10000.0}
+        model = LlamaForCausalLM(LlamaConfig(**rope, **common))
     with torch.no_grad():  # a wider init than the default, so logits are not all near zero
         for p in model.parameters():
             if p.dim() == 2:
@@ -103,6 +115,8 @@ TINY_VARIANTS = {
     "llama-gqa": dict(model_type="llama", num_heads=4, num_kv_heads=2),
     "llama-tied": dict(model_type="llama", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
     "qwen2-bias": dict(model_type="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
+    # per-head q/k norm; head_dim 32 from the config, not hidden / heads (16), as Qwen3's 128
+    "qwen3": dict(model_type="qwen3", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32),
     # head_dim 64, as the default model: the fused RoPE kernel's path (the others run torch's)
     "llama-hd64": dict(model_type="llama", num_heads=4, num_kv_heads=2, hidden_size=256),
     # tensor parallelism's shapes (tests/distributed): 8 / 2 heads (TP 4 > KV heads) and 12 / 4

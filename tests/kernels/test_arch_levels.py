@@ -1,0 +1,81 @@
+"""The architectures beyond Llama at every kernel level this CPU runs (tests/kernels/conftest.py
+parametrises `kernel_level`): in bf16 with the kernels on, at a head_dim the models really
+use, the engine's logits held to transformers' fp32 ones no less closely than torch's own bf16
+path (tests/model/test_kernel_shapes.py's bound), and the fused decode step (one C++ call for
+every layer) equal bit for bit to the layer-by-layer path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.kernels import cpu_ops, unavailable_reason
+from tests.support.paged_driver import PagedDriver
+from tests.support.tiny_models import load_reference, make_tiny_model
+
+ops = cpu_ops()  # rebound per level by tests/kernels/conftest.py
+pytestmark = pytest.mark.skipif(ops is None and unavailable_reason() is not None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+
+SHAPES = {
+    # Qwen3-0.6B's head shape: head_dim 128 from the config (hidden / heads would be 64), 2 query heads per KV head
+    "qwen3-hd128": dict(model_type="qwen3", num_heads=4, num_kv_heads=2, hidden_size=256, head_dim=128),
+}
+PROMPT = "What is the capital of France? The capital"
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def shape_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("arch-levels")
+    return {name: str(make_tiny_model(root / name, **kw)) for name, kw in SHAPES.items()}
+
+
+def _engine(path: str, cpu_kernels: bool = True) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="4MiB", cpu_kernels=cpu_kernels))
+
+
+def _trajectory(engine: LLMEngine, tokens: list[int], steps: int, reference=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Our logits after the prefill and each decode step; with a reference, its fp32 logits
+    too, its greedy token fed back to both; else our own greedy token."""
+    driver = PagedDriver(engine)
+    req = driver.new_request(tokens)
+    ours, expected, tokens = [driver.prefill(req)], [], list(tokens)
+    for i in range(steps + 1):
+        if reference is not None:
+            with torch.no_grad():
+                expected.append(reference(torch.tensor([tokens])).logits[0, -1])
+        if i == steps:
+            break
+        tokens.append(int((expected[-1] if reference is not None else ours[-1]).argmax()))
+        ours.append(driver.decode(req, tokens[-1]))
+    driver.free(req)
+    return torch.stack(ours).float(), expected
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
+    path = shape_dirs[shape]
+    engine = _engine(path)
+    k = engine.model.kernels
+    assert k.level == (kernel_level or k.level) and k.qk_norm.enabled and k.fused_decode.enabled, k.describe()
+    ref = load_reference(path)
+    prompt = engine.tokenizer.encode(PROMPT)
+    ours, expected = _trajectory(engine, prompt, STEPS, ref)
+    torch_bf16, _ = _trajectory(_engine(path, cpu_kernels=False), prompt, STEPS, ref)
+    expected = torch.stack(expected)
+    kernel_error = (ours - expected).abs().max()
+    torch_error = (torch_bf16 - expected).abs().max()
+    assert kernel_error <= 1.25 * torch_error + 1e-2, (kernel_error, torch_error)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_decode_equals_layer_by_layer(kernel_level, shape_dirs, shape):
+    engine = _engine(shape_dirs[shape])
+    prompt = engine.tokenizer.encode(PROMPT)
+    assert engine.model.fused_decode_rows() > 0
+    fused, _ = _trajectory(engine, prompt, STEPS)
+    engine.model.fused_decode = False
+    layered, _ = _trajectory(engine, prompt, STEPS)
+    assert torch.equal(fused, layered)
