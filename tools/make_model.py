@@ -445,7 +445,8 @@ def verify_gguf(path: Path | str, shape_name: str, fmt: str, sample: int = 4) ->
     shape = SHAPES[shape_name]
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    planned = gguf_tensors(dataclasses.replace(shape, vocab_size=int(reader.fields["llama.vocab_size"].contents())))
+    vocab = int(reader.fields[f"{shape.architecture}.vocab_size"].contents())
+    planned = gguf_tensors(dataclasses.replace(shape, vocab_size=vocab))
     assert [t.name for t in reader.tensors] == [n for n, _ in planned], "tensor names or order differ from the plan"
     by_type: dict[str, list[str]] = {}
     for name, tshape in planned:
@@ -494,10 +495,11 @@ def forward_check(path: Path | str, token: int = 1) -> dict[str, float]:
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     f = reader.fields
-    n_layers = int(f["llama.block_count"].contents())
-    n_heads = int(f["llama.attention.head_count"].contents())
-    n_kv = int(f["llama.attention.head_count_kv"].contents())
-    eps = float(f["llama.attention.layer_norm_rms_epsilon"].contents())
+    a = str(f["general.architecture"].contents())
+    n_layers = int(f[f"{a}.block_count"].contents())
+    n_heads = int(f[f"{a}.attention.head_count"].contents())
+    n_kv = int(f[f"{a}.attention.head_count_kv"].contents())
+    eps = float(f[f"{a}.attention.layer_norm_rms_epsilon"].contents())
 
     def weight(name: str, rows: slice | None = None) -> np.ndarray:
         t = tensors[name]
