@@ -21,8 +21,8 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 # model types whose attention normalises each q and k head (Qwen3Attention's q_norm / k_norm)
@@ -85,7 +85,9 @@ class RopeScaling:
     scales or blends frequency bands; `yarn` blends interpolated and extrapolated frequencies
     over the dimensions between `beta_fast` and `beta_slow` rotations and scales cos/sin by an
     attention factor; `dynamic` (NTK) is the unscaled RoPE up to the original context, which
-    is as far as the engine serves such a model."""
+    is as far as the engine serves such a model; `longrope` (Phi-3) divides each frequency by
+    its `short_factor` or `long_factor` (the long ones where the engine serves more than the
+    original context, as llama.cpp chooses by its context size) and scales cos/sin."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -100,6 +102,9 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # longrope only: a divisor per frequency (head_dim / 2 of them, of the rotated part)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +126,8 @@ class ModelArchitecture:
     # Qwen3: an RMSNorm over each query and key head (one weight of H per projection) between
     # the QKV projection and RoPE
     qk_norm: bool = False
+    # Phi-3/4: RoPE turns only the first rotary_dim = head_dim · this features of each head
+    partial_rotary_factor: float = 1.0
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -143,6 +150,11 @@ class ModelArchitecture:
                 f"kvserve implements {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         return self
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each q/k head that RoPE turns (the first ones); head_dim but for partial rotary."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -181,7 +193,11 @@ class ModelArchitecture:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelArchitecture":
         data = dict(data)
-        data["rope_scaling"] = RopeScaling(**data.get("rope_scaling") or {})
+        scaling = dict(data.get("rope_scaling") or {})
+        for key in ("short_factor", "long_factor"):  # JSON gives lists; the frozen shape holds tuples
+            if scaling.get(key) is not None:
+                scaling[key] = tuple(scaling[key])
+        data["rope_scaling"] = RopeScaling(**scaling)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
         return cls(**data).check_supported()
 
@@ -225,6 +241,9 @@ class ModelArchitecture:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=model_type in _QK_NORM_TYPES,
+            partial_rotary_factor=float(
+                config.get("partial_rotary_factor") or _rope_params(config).get("partial_rotary_factor") or 1.0
+            ),
             rope_scaling=_rope_scaling(config),
             sliding_window=window,
             bos_token_id=config.get("bos_token_id"),
@@ -271,9 +290,17 @@ def _rope_scaling(config: dict[str, Any]) -> RopeScaling:
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     kwargs = {k: v for k, v in params.items() if k in fields and v is not None}
     kwargs["rope_type"] = rope_type
-    if rope_type in ("yarn", "dynamic") and "original_max_position_embeddings" not in kwargs:
-        # transformers' standardize_rope_params: the config's own context is the original one
-        kwargs["original_max_position_embeddings"] = config.get("max_position_embeddings", 4096)
+    for key in ("short_factor", "long_factor"):
+        if key in kwargs:
+            kwargs[key] = tuple(float(v) for v in kwargs[key])
+    if rope_type in ("yarn", "dynamic", "longrope") and "original_max_position_embeddings" not in kwargs:
+        # transformers' standardize_rope_params: Phi-3 names it beside the scaling, others use
+        # the config's own context as the original one
+        kwargs["original_max_position_embeddings"] = config.get(
+            "original_max_position_embeddings", config.get("max_position_embeddings", 4096)
+        )
+    if rope_type == "longrope" and params.get("factor") is None:
+        kwargs["factor"] = config.get("max_position_embeddings", 4096) / kwargs["original_max_position_embeddings"]
     if rope_type == "yarn" and params.get("factor") is None:
         kwargs["factor"] = config.get("max_position_embeddings", 4096) / kwargs["original_max_position_embeddings"]
     return RopeScaling(**kwargs)

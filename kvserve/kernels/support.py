@@ -185,7 +185,8 @@ class KernelSupport:
         )
         rms_norm = verdict([family("norm_rope_act"), multiple(arch.hidden_size, lim["rms_norm_width_multiple"], "hidden_size")], "fused residual add")
         rope_and_cache = verdict(
-            [family("norm_rope_act"), kv_problem, multiple(hd, lim["rope_head_dim_multiple"], "head_dim")],
+            [family("norm_rope_act"), kv_problem, multiple(hd, lim["rope_head_dim_multiple"], "head_dim"),
+             None if arch.rotary_dim == hd else f"partial rotary ({arch.rotary_dim} of head_dim {hd} turned)"],
             "RoPE and the K/V write" + (" (quantized to int8)" if int8_kv else "") + " in one pass",
         )
         # rms_norm's kernel over each q and k head's H features (rows of H)

@@ -43,16 +43,26 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
+    # LongRoPE's divisors (Phi-3): the model takes the set its context calls for
+    "rope_factors_long.weight": "rope_factors_long",
+    "rope_factors_short.weight": "rope_factors_short",
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+# llama.cpp's Phi-3 tensors: Q, K and V in one, and ffn_up holding gate and up (2·F rows)
+_ARCH_LAYER_TENSORS = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+
+
+def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(architecture, {})}
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
@@ -100,7 +110,7 @@ def read_weights(
     permute = arch.architecture in ("llama", "mistral")
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch.architecture)
         if name is None:
             raise UnsupportedModelError(f"unsupported GGUF tensor {tensor.name!r}")
         type_name = tensor.tensor_type.name  # open_gguf has refused types gguf does not know
@@ -127,7 +137,7 @@ def read_weights(
             raise UnsupportedModelError(f"unsupported GGUF tensor type {type_name} (tensor {tensor.name!r})") from exc
         array = np.asarray(array, dtype=np.float32).reshape(shape)
         # RoPE frequency factors stay fp32: they scale angles, not activations
-        value = torch.from_numpy(array).to(torch.float32 if name == "rope_freqs" else dtype)
+        value = torch.from_numpy(array).to(torch.float32 if name.startswith("rope_") else dtype)
         weights[name] = transform(name, value) if transform else value
         del raw, array, value
         release_free_memory()

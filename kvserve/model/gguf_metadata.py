@@ -17,7 +17,7 @@ from typing import Any
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.arch import ModelArchitecture, RopeScaling
 
-GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3"}
 
 
 _MAGIC = b"GGUF"
@@ -232,7 +232,19 @@ def read_architecture(reader, *, require_supported: bool = True, source: Path | 
             raise ModelLoadError(f"{where} has neither {a}.vocab_size nor tokenizer.ggml.tokens")
         vocab_size = len(tokens)
     scaling_type = field(reader, f"{a}.rope.scaling.type", "none")
-    if scaling_type in ("none", None):
+    if any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+        # llama.cpp's Phi-3 LongRoPE: the factors are tensors (read with the weights), the
+        # original context and the cos/sin factor metadata
+        original = field(reader, f"{a}.rope.scaling.original_context_length")
+        if original is None:
+            raise ModelLoadError(f"{where}: LongRoPE factors without {a}.rope.scaling.original_context_length")
+        attn = field(reader, f"{a}.rope.scaling.attn_factor")
+        rope_scaling = RopeScaling(
+            rope_type="longrope", original_max_position_embeddings=int(original),
+            factor=int(field(reader, f"{a}.context_length", 4096)) / int(original),
+            attention_factor=None if attn is None else float(attn),
+        )  # fmt: skip
+    elif scaling_type in ("none", None):
         rope_scaling = RopeScaling()
     elif scaling_type == "linear" or not require_supported:
         factor = field(reader, f"{a}.rope.scaling.factor")
@@ -273,8 +285,16 @@ def read_architecture(reader, *, require_supported: bool = True, source: Path | 
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
+        partial_rotary_factor=_partial_rotary(reader, a, hidden, num_heads),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
     )
     return arch.check_supported() if require_supported else arch
+
+
+def _partial_rotary(reader, a: str, hidden: int, num_heads: int) -> float:
+    """rotary_dim / head_dim from `{arch}.rope.dimension_count` (llama.cpp's rotary width)."""
+    head_dim = int(field(reader, f"{a}.attention.key_length") or hidden // num_heads)
+    rotary = field(reader, f"{a}.rope.dimension_count")
+    return 1.0 if rotary is None or int(rotary) >= head_dim else int(rotary) / head_dim

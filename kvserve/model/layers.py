@@ -35,12 +35,16 @@ class RMSNorm(nn.Module):
 
 
 def rope_attention_factor(arch: ModelArchitecture) -> float:
-    """The factor on cos and sin (so on every attention logit, squared): YaRN's, else 1."""
+    """The factor on cos and sin (so on every attention logit, squared): YaRN's and LongRoPE's, else 1."""
     scaling = arch.rope_scaling
-    if scaling.rope_type != "yarn":
+    if scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
+    if scaling.rope_type == "longrope":
+        if scaling.factor <= 1:
+            return 1.0
+        return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -53,7 +57,7 @@ def rope_attention_factor(arch: ModelArchitecture) -> float:
 def _yarn_inverse_frequencies(arch: ModelArchitecture, inv_freq: torch.Tensor) -> torch.Tensor:
     """YaRN: dimensions that turn more than beta_fast times over the original context keep
     their frequency, those under beta_slow are interpolated (÷ factor), a linear ramp between."""
-    s, dim, base = arch.rope_scaling, arch.head_dim, arch.rope_theta
+    s, dim, base = arch.rope_scaling, arch.rotary_dim, arch.rope_theta
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -69,13 +73,31 @@ def _yarn_inverse_frequencies(arch: ModelArchitecture, inv_freq: torch.Tensor) -
     return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 
 
-def rope_inverse_frequencies(arch: ModelArchitecture, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """θ_i = theta^(-2i/H), adjusted by the model's RoPE scaling."""
-    dim = arch.head_dim
+def longrope_long(arch: ModelArchitecture, max_positions: int) -> bool:
+    """LongRoPE's choice of factors, once per model: the long ones where the engine serves more
+    than the original context (llama.cpp chooses by its context size the same way;
+    transformers by each sequence's length, which agrees below the original context).
+    `max_positions`: the RoPE table's rows, the longest context served + 1."""
+    return max_positions - 1 > arch.rope_scaling.original_max_position_embeddings
+
+
+def rope_inverse_frequencies(
+    arch: ModelArchitecture, rope_freqs: torch.Tensor | None = None, max_positions: int | None = None
+) -> torch.Tensor:
+    """θ_i = theta^(-2i/R) over the R = rotary_dim turned features, adjusted by the model's
+    RoPE scaling. `max_positions`: the table's rows, the context served + 1 (LongRoPE's short
+    or long factors)."""
+    dim = arch.rotary_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = arch.rope_scaling
-    if rope_freqs is not None:  # GGUF carries precomputed per-frequency divisors (llama3)
+    if rope_freqs is not None:  # GGUF carries precomputed per-frequency divisors (llama3, longrope)
         inv_freq = inv_freq / rope_freqs.to(torch.float64)
+    elif scaling.rope_type == "longrope":
+        long = longrope_long(arch, max_positions or arch.max_position_embeddings + 1)
+        factors = scaling.long_factor if long else scaling.short_factor
+        if factors is None or len(factors) != dim // 2:
+            raise ValueError(f"longrope needs {'long' if long else 'short'}_factor with {dim // 2} values")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
     elif scaling.rope_type == "yarn":
         inv_freq = _yarn_inverse_frequencies(arch, inv_freq)
     elif scaling.rope_type == "linear":
@@ -99,7 +121,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, arch: ModelArchitecture, max_positions: int, rope_freqs: torch.Tensor | None = None):
         super().__init__()
-        inv_freq = rope_inverse_frequencies(arch, rope_freqs)
+        inv_freq = rope_inverse_frequencies(arch, rope_freqs, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # [max_pos, H/2]: rotate-half uses the same angle for both halves of a row, so one
@@ -117,7 +139,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, H]."""
+    """x: [T, heads, H]; cos/sin [T, 1, R]: rotate-half over the first R features (all of
+    them but under partial rotary), the rest passed through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens from many requests.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a flat batch of tokens from many requests.
 
 `forward(input_ids[T], positions[T], meta)` runs every layer for all T new positions of
 the step, reading and appending the paged KV cache; `compute_logits` projects only the
@@ -20,7 +20,7 @@ from kvserve.distributed.request_layout import RequestExchange, RequestHeads, Re
 from kvserve.kernels.support import KernelSupport
 from kvserve.memory import release_free_memory
 from kvserve.arch import ModelArchitecture
-from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
+from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary, longrope_long
 from kvserve.model.linear import Linear, cat_rows
 from kvserve.model.quant_formats import QuantizedWeight
 
@@ -139,6 +139,14 @@ def norm_heads_(
     return qkv
 
 
+def _rope_divisors(weights: dict, arch: ModelArchitecture, max_positions: int) -> torch.Tensor | None:
+    """A GGUF's per-frequency RoPE divisors: llama3's `rope_freqs`, or LongRoPE's long or short
+    factors (the set the served context calls for); None where the config's scaling says it all."""
+    if "rope_factors_long" in weights:
+        return weights["rope_factors_long" if longrope_long(arch, max_positions) else "rope_factors_short"]
+    return weights.get("rope_freqs")
+
+
 def _all_reduce(tp, x: torch.Tensor) -> torch.Tensor:
     """Σ over the tensor-parallel ranks (none without a group), in fp32 whatever the model's
     dtype: each rank's partial output is added without a bf16 rounding after every addition,
@@ -215,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         for lin in (self.lm_head, self.embed_tokens):
             if kernels.ops is not None:
                 lin.process_weights_after_loading()
-        self.rotary = RotaryEmbedding(arch, max_positions, weights.get("rope_freqs"))
+        self.rotary = RotaryEmbedding(arch, max_positions, _rope_divisors(weights, arch, max_positions))
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
         self.request_heads = request_heads
         self._decode_model = None  # ops.DecodeModel, built on the first fused step

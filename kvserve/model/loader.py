@@ -100,6 +100,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, quantizati
     else:
         arch, weights, tokenizer = _load_gguf_quantized(path, dtype, quantization, notes)
         from_cache = False
+    split_fused_projections(weights, arch, path)
     _check_weights(arch, weights, path)
     return LoadedModel(
         name=name,
@@ -180,6 +181,34 @@ def _load_gguf_dequantized(path: Path, dtype: torch.dtype):
     return arch, weights, tokenizer, False
 
 
+def split_fused_projections(weights: dict, arch: ModelArchitecture, path: Path) -> None:
+    """Phi-3 stores Q, K and V as one `qkv_proj` and gate and up as one `gate_up_proj`: cut
+    into the Llama names (the layers join them again in their own fused layout). A quantized
+    weight is cut between its packed groups of rows (ModelLoadError where a cut falls inside one)."""
+    from kvserve.model import quant_formats
+
+    def rows(t, lo: int, hi: int, name: str):
+        if isinstance(t, quant_formats.QuantizedWeight):
+            try:
+                return quant_formats.slice_rows(t, lo, hi)
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: {name} in its quantized format cannot be cut into its parts ({exc})") from None
+        return t[lo:hi].contiguous()
+
+    q, kv, ffn = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+        fused = weights.pop(name)
+        if name.endswith("qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            for part, (lo, hi) in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+                weights[f"{base}{part}_proj.weight"] = rows(fused, lo, hi, name)
+        else:
+            base = name.removesuffix("gate_up_proj.weight")
+            weights[f"{base}gate_proj.weight"] = rows(fused, 0, ffn, name)
+            weights[f"{base}up_proj.weight"] = rows(fused, ffn, 2 * ffn, name)
+        del fused
+
+
 def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], path: Path) -> None:
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     if not arch.tie_word_embeddings:
@@ -198,6 +227,7 @@ def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], pa
                 "mlp.gate_proj.weight",
                 "mlp.up_proj.weight",
                 "mlp.down_proj.weight",
+                *(("self_attn.q_norm.weight", "self_attn.k_norm.weight") if arch.qk_norm else ()),
             )
         ]
     missing = [n for n in required if n not in weights]

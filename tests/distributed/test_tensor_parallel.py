@@ -49,7 +49,7 @@ def test_shard_plan_refuses_what_would_cut_a_head(num_heads, num_kv_heads, world
         plan_shard(_arch(num_heads, num_kv_heads, ffn=240), 0, world)
 
 
-@pytest.mark.parametrize("variant, worlds", [("llama-8x2", (2, 4)), ("llama-12x4", (2, 4)), ("qwen3", (2,))])
+@pytest.mark.parametrize("variant, worlds", [("llama-8x2", (2, 4)), ("llama-12x4", (2, 4)), ("qwen3", (2,)), ("phi3", (2,))])
 def test_greedy_tokens_equal_one_process(tiny_model_dirs, variant, worlds):
     model = tiny_model_dirs[variant]
     expected, _ = _tokens(model, 1)

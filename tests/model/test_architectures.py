@@ -1,4 +1,5 @@
-"""Each architecture beyond Llama, Mistral and Qwen2 against transformers on the same weights
+"""Each architecture beyond Llama, Mistral and Qwen2 (Qwen3; Phi-3 with fused QKV and gate/up
+weights, and with Phi-4-mini's partial rotary and LongRoPE) against transformers on the same weights
 (tiny random models from transformers' own config classes, tests/support/tiny_models.py),
 from its HF directory and from a GGUF of it: logits in fp32 to 1e-4 after the prefill and
 each decode step, and 32 greedy tokens; chunked prefill, prefix hits and preemption change no
@@ -17,72 +18,86 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from tests.support.paged_driver import assert_follows_reference
+from tests.support.paged_driver import PagedDriver, assert_follows_reference
 from tests.support.tiny_gguf import write_gguf
-from tests.support.tiny_models import TINY_VARIANTS, load_reference
+from tests.support.tiny_models import PHI3_LONGROPE, TINY_VARIANTS, load_reference, make_tiny_model
 
-ARCHITECTURES = ["qwen3"]  # TINY_VARIANTS of the architectures this file checks
+VARIANTS = {**{v: TINY_VARIANTS[v] for v in ("qwen3", "phi3")}, "phi3-longrope": PHI3_LONGROPE}
+ARCHITECTURES = list(VARIANTS)
+# served within the original context, LongRoPE takes the short factors, as transformers does
+# for a sequence that short (tests/model/test_rope_scaling.py checks the long ones)
+ENGINE_ARGS = {"phi3-longrope": {"max_model_len": 128}}
 PROMPT = "What is the capital of France? The capital"
 ATOL = RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def ggufs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("arch-hf")
+    own = {v: str(make_tiny_model(root / v, **kw)) for v, kw in VARIANTS.items() if v not in tiny_model_dirs}
+    return {v: own.get(v) or tiny_model_dirs[v] for v in VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def ggufs(model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("arch-gguf")
     return {
-        v: str(write_gguf(Path(tiny_model_dirs[v]), root / f"{v}.gguf", architecture=TINY_VARIANTS[v]["model_type"]))
+        v: str(write_gguf(Path(model_dirs[v]), root / f"{v}.gguf", architecture=VARIANTS[v]["model_type"]))
         for v in ARCHITECTURES
     }
 
 
 @pytest.fixture(scope="module")
-def references(tiny_model_dirs):
-    return {v: load_reference(Path(tiny_model_dirs[v])) for v in ARCHITECTURES}
+def references(model_dirs):
+    return {v: load_reference(Path(model_dirs[v])) for v in ARCHITECTURES}
 
 
-def _source(tiny_model_dirs, ggufs, variant: str, source: str) -> str:
-    return tiny_model_dirs[variant] if source == "hf" else ggufs[variant]
+def _source(model_dirs, ggufs, variant: str, source: str) -> str:
+    return model_dirs[variant] if source == "hf" else ggufs[variant]
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 @pytest.mark.parametrize("variant", ARCHITECTURES)
-def test_logits_follow_transformers_in_fp32(tiny_model_dirs, ggufs, references, variant, source):
-    path = _source(tiny_model_dirs, ggufs, variant, source)
+def test_logits_follow_transformers_in_fp32(model_dirs, ggufs, references, variant, source):
+    path = _source(model_dirs, ggufs, variant, source)
     for cpu_kernels in (False, True):
-        engine = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="8MiB", cpu_kernels=cpu_kernels))
-        assert engine.arch.architecture == TINY_VARIANTS[variant]["model_type"]
-        assert engine.arch.head_dim == TINY_VARIANTS[variant].get("head_dim", engine.arch.hidden_size // engine.arch.num_heads)
+        engine = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="8MiB", cpu_kernels=cpu_kernels,
+                                        **ENGINE_ARGS.get(variant, {})))  # fmt: skip
+        kw = VARIANTS[variant]
+        assert engine.arch.architecture == kw["model_type"]
+        assert engine.arch.head_dim == kw.get("head_dim", engine.arch.hidden_size // engine.arch.num_heads)
+        assert engine.arch.rotary_dim == int(engine.arch.head_dim * kw.get("partial_rotary_factor", 1.0))
         prompt = engine.tokenizer.encode(PROMPT)
         assert_follows_reference(engine, references[variant], prompt, steps=6, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 @pytest.mark.parametrize("variant", ARCHITECTURES)
-def test_32_greedy_tokens_equal_transformers(tiny_model_dirs, ggufs, references, variant, source):
-    llm = LLM(_source(tiny_model_dirs, ggufs, variant, source), dtype="float32", kv_cache_memory="8MiB")
+def test_32_greedy_tokens_equal_transformers(model_dirs, ggufs, references, variant, source):
+    llm = LLM(_source(model_dirs, ggufs, variant, source), dtype="float32", kv_cache_memory="8MiB", **ENGINE_ARGS.get(variant, {}))
     prompt = llm.tokenizer.encode(PROMPT)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+    tokens = list(prompt)  # transformers' greedy choice, EOS included (generate's min_new_tokens would mask it)
     with torch.no_grad():
-        ref = references[variant].generate(
-            torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
-        )
-    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+        for _ in range(32):
+            tokens.append(int(references[variant](torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert out.outputs[0].token_ids == tokens[len(prompt):]
 
 
 @pytest.mark.parametrize("variant", ARCHITECTURES)
-def test_chunked_prefill_prefix_hits_and_preemption_change_no_token(tiny_model_dirs, variant):
+def test_chunked_prefill_prefix_hits_and_preemption_change_no_token(model_dirs, variant):
     """Requests sharing a prefix, run alone in a roomy engine, then together in one whose pool
     cannot hold them all (preemptions) with prefill in chunks of 8 and prefix caching on."""
-    path = tiny_model_dirs[variant]
+    path, extra = model_dirs[variant], ENGINE_ARGS.get(variant, {})
     prefix = list(range(10, 34))
     prompts = [prefix + [40 + i, 41 + i, 42 + 2 * i] for i in range(5)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    alone = LLM(path, dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
+    alone = LLM(path, dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False, **extra)
     expected = [alone.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
     # 20 blocks of 4 positions: a request needs 10, five share 6 of them; four at once do not fit
     c_kv = alone.engine.layout.kv_bytes_per_position
     tight = LLM(path, dtype="float32", block_size=4, kv_cache_memory=20 * 4 * c_kv, max_num_batched_tokens=16,
-                long_prefill_token_threshold=8)  # fmt: skip
+                long_prefill_token_threshold=8, max_model_len=80)  # fmt: skip
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
     assert got == expected
     engine = tight.engine
@@ -92,7 +107,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_change_no_token(tiny_model_d
 
 
 @pytest.mark.parametrize("variant", ARCHITECTURES)
-def test_gguf_tensors_read_as_the_gguf_package_reads_them(tiny_model_dirs, ggufs, variant):
+def test_gguf_tensors_read_as_the_gguf_package_reads_them(ggufs, variant):
     """Every tensor kvserve takes from the GGUF equals gguf.GGUFReader's array of it, under
     the HF name kvserve maps it to (F32: no rounding on either side)."""
     import gguf
@@ -106,9 +121,27 @@ def test_gguf_tensors_read_as_the_gguf_package_reads_them(tiny_model_dirs, ggufs
     theirs = gguf.GGUFReader(ggufs[variant])
     names = set()
     for tensor in theirs.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch.architecture)
         names.add(name)
         expected = np.asarray(tensor.data).reshape([int(d) for d in reversed(tensor.shape)])
         np.testing.assert_array_equal(ours[name].numpy(), expected, err_msg=tensor.name)
     assert names == set(ours)
     assert any(n.endswith("q_norm.weight") for n in names) == arch.qk_norm
+    assert any(n.endswith("qkv_proj.weight") for n in names) == (arch.architecture == "phi3")
+
+
+def test_fused_weights_of_a_quantized_gguf_are_cut_in_their_packed_format(model_dirs, tmp_path):
+    """Phi-3's fused QKV and gate/up in Q8_0 are cut between packed groups at load and run on
+    quant_linear (bf16), their logits those of the same file dequantized to within int8's noise."""
+    path = str(write_gguf(Path(model_dirs["phi3"]), tmp_path / "phi3-q8_0.gguf", architecture="phi3", quant_type="Q8_0"))
+    native = LLMEngine(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="8MiB"))
+    attn = native.model.layers[0].self_attn
+    if native.model.kernels.quant_linear.enabled:
+        assert attn.qkv.qweight is not None and native.model.layers[0].mlp.gate_up.qweight is not None
+    plain = LLMEngine(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="8MiB", quantization="none"))
+    prompt = native.tokenizer.encode(PROMPT)
+    logits = []
+    for engine in (native, plain):
+        driver = PagedDriver(engine)
+        logits.append(driver.prefill(driver.new_request(prompt)).float())
+    assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0) > 0.99

@@ -68,3 +68,27 @@ def test_dynamic_ntk_is_served_up_to_its_original_context(tmp_path):
     ref = load_reference(path)
     prompt = engine.tokenizer.encode("What is the capital of France? The capital")
     assert_follows_reference(engine, ref, prompt, steps=4, atol=1e-4, rtol=1e-4)
+
+
+def test_longrope_takes_its_short_or_long_factors_by_the_context_served():
+    """Phi-3's LongRoPE over 3/4 of each head: served within the original context, the short
+    factors (transformers' for a sequence that short); served beyond it, the long ones
+    (transformers' once a sequence is longer); the same cos/sin factor either way."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tests.support.tiny_models import PHI3_LONGROPE
+
+    kw = PHI3_LONGROPE
+    hf = Phi3Config(hidden_size=kw["hidden_size"], num_attention_heads=kw["num_heads"], max_position_embeddings=512,
+                    original_max_position_embeddings=kw["original_max_position_embeddings"],
+                    partial_rotary_factor=kw["partial_rotary_factor"],
+                    rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": kw["partial_rotary_factor"],
+                                     **kw["rope_parameters"]})  # fmt: skip
+    arch = ModelArchitecture.from_hf_config(hf.to_dict())
+    assert arch.rotary_dim == 24 and arch.rope_scaling.rope_type == "longrope"
+    for served, seq_len in ((128, 10), (512, 1000)):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)
+        table = rope_inverse_frequencies(arch, max_positions=served + 1)  # a table of the context + 1 rows
+        torch.testing.assert_close(table, inv_freq.float(), rtol=1e-6, atol=0)
+        assert rope_attention_factor(arch) == pytest.approx(factor, rel=1e-12)

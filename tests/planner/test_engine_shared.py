@@ -79,15 +79,15 @@ def test_qwen2_parameter_count_includes_the_qkv_bias(tmp_path):
 
 
 def test_planner_plans_what_the_engine_refuses(tmp_path):
-    """A multimodal config (decoder in `text_config`, LongRoPE) and a falcon GGUF: shapes
+    """A multimodal config (decoder in `text_config`, a RoPE scaling kvserve lacks) and a falcon GGUF: shapes
     the planner reads with the engine's readers, which the engine itself refuses to run."""
     text = {"model_type": "mistral", "num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
             "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 500,
-            "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+            "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": text}))
     shape = from_hf_config(tmp_path)
     assert (shape.arch.num_layers, shape.arch.num_kv_heads, shape.arch.head_dim) == (4, 2, 8)
-    with pytest.raises(UnsupportedModelError, match="rope scaling 'longrope'"):
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'proportional'"):
         ModelArchitecture.from_hf_config(text)
 
     from gguf import GGUFWriter

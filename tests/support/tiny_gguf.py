@@ -30,6 +30,10 @@ _NAMES = {
 }
 
 
+# llama.cpp's Phi-3 tensors: Q/K/V in one, and ffn_up holding gate and up
+_ARCH_NAMES = {"phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}}
+
+
 def write_gguf(
     hf_dir: Path, out: Path, architecture: str = "llama", quant_type: str | None = None, metadata: dict | None = None
 ) -> Path:
@@ -59,6 +63,11 @@ def write_gguf(
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     w.add_float32(f"{a}.rope.freq_base", float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    rope = config.get("rope_parameters") or {}
+    partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    w.add_uint32(f"{a}.rope.dimension_count", int(head_dim * partial))
+    if rope.get("rope_type") == "longrope":  # the factors as tensors, as llama.cpp's converter writes them
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", config["original_max_position_embeddings"])
     if head_dim != config["hidden_size"] // n_heads:  # as llama.cpp's converter: only where it differs
         w.add_uint32(f"{a}.attention.key_length", head_dim)
         w.add_uint32(f"{a}.attention.value_length", head_dim)
@@ -80,12 +89,15 @@ def write_gguf(
     for key, value in (metadata or {}).items():
         (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
 
+    if rope.get("rope_type") == "longrope":
+        add("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        add("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     add("token_embd.weight", weights["model.embed_tokens.weight"])
     add("output_norm.weight", weights["model.norm.weight"])
     if "lm_head.weight" in weights and not config.get("tie_word_embeddings"):
         add("output.weight", weights["lm_head.weight"])
     for i in range(config["num_hidden_layers"]):
-        for hf_name, gguf_name in _NAMES.items():
+        for hf_name, gguf_name in {**_NAMES, **_ARCH_NAMES.get(architecture, {})}.items():
             if f"model.layers.{i}.{hf_name}" not in weights:  # q/k norms: Qwen3's only
                 continue
             t = weights[f"model.layers.{i}.{hf_name}"]

@@ -1,4 +1,4 @@
-"""Tiny random Llama-family checkpoints (Llama, Qwen2, Qwen3) for tests, written as real HF directories.
+"""Tiny random Llama-family checkpoints (Llama, Qwen2, Qwen3, Phi-3) for tests, written as real HF directories.
 
 A byte-level BPE tokenizer is trained on a few sentences (milliseconds) and given a
 ChatML template, so the tiny models exercise the same load path as real ones.
@@ -56,12 +56,18 @@ def make_tiny_model(
     num_layers: int = 2,
     head_dim: int | None = None,
     rope_parameters: dict | None = None,
+    partial_rotary_factor: float = 1.0,
+    original_max_position_embeddings: int | None = None,
     seed: int = 0,
 ) -> Path:
     """Write a random model + tokenizer to `path` (an HF directory); returns `path`.
     `head_dim`: Qwen3's own (its config names it; hidden_size / num_heads otherwise);
-    `rope_parameters`: a Llama's RoPE scaling, as transformers' config takes it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    `rope_parameters`: a Llama's or Phi-3's RoPE scaling, as transformers' config takes it;
+    `partial_rotary_factor`, `original_max_position_embeddings`: Phi-3's."""
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+        Qwen3ForCausalLM,
+    )  # fmt: skip
 
     tokenizer = build_tokenizer()
     common = dict(
@@ -91,6 +97,13 @@ def make_tiny_model(
             for layer in model.model.layers:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                     norm.weight.normal_(1.0, 0.3)
+    elif model_type == "phi3":  # Q/K/V and gate/up stored fused; partial rotary, LongRoPE where given
+        rope = {"rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor, **(rope_parameters or {})}
+        model = Phi3ForCausalLM(Phi3Config(
+            rope_parameters=rope, partial_rotary_factor=partial_rotary_factor, pad_token_id=tokenizer.eos_token_id,
+            original_max_position_embeddings=original_max_position_embeddings or common["max_position_embeddings"],
+            **common,
+        ))  # fmt: skip
     else:
         rope = {"rope_parameters": {"rope_theta": 10000.0, **rope_parameters}} if rope_parameters else {"rope_theta": 10000.0}
         model = LlamaForCausalLM(LlamaConfig(**rope, **common))
@@ -117,6 +130,8 @@ TINY_VARIANTS = {
     "qwen2-bias": dict(model_type="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
     # per-head q/k norm; head_dim 32 from the config, not hidden / heads (16), as Qwen3's 128
     "qwen3": dict(model_type="qwen3", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32),
+    # fused QKV and gate/up weights (Phi-3-mini's layout, full rotary, plain RoPE)
+    "phi3": dict(model_type="phi3", num_heads=4, num_kv_heads=2, hidden_size=128),
     # head_dim 64, as the default model: the fused RoPE kernel's path (the others run torch's)
     "llama-hd64": dict(model_type="llama", num_heads=4, num_kv_heads=2, hidden_size=256),
     # tensor parallelism's shapes (tests/distributed): 8 / 2 heads (TP 4 > KV heads) and 12 / 4
@@ -124,3 +139,13 @@ TINY_VARIANTS = {
     "llama-12x4": dict(model_type="llama", num_heads=12, num_kv_heads=4, hidden_size=192),
     "llama-8x2-hd64": dict(model_type="llama", num_heads=8, num_kv_heads=2, hidden_size=512),  # the CPU kernels' head_dim
 }
+
+# Phi-4-mini's shape of RoPE: over 3/4 of each head, LongRoPE factors, original context 128
+# of 512. Not among the session's variants: served at its full context it takes the long
+# factors, where transformers takes the short ones for a short sequence (tests/model/test_architectures.py)
+PHI3_LONGROPE = dict(
+    model_type="phi3", num_heads=4, num_kv_heads=2, hidden_size=128, partial_rotary_factor=0.75,
+    original_max_position_embeddings=128,
+    rope_parameters={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                     "long_factor": [2.0 + 0.3 * i for i in range(12)]},
+)  # fmt: skip
