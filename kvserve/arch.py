@@ -1,8 +1,8 @@
 """The shape of a Llama-family model: everything the forward pass and the KV cache need.
 
-One dataclass for Llama, Mistral, Qwen2 and Qwen3 (which differ in QKV bias, per-head
-q/k RMSNorm, RoPE theta and sliding window); read from an HF `config.json` here (`read_hf_config`) or from GGUF
-metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.arch_presets`. Torch-free:
+One dataclass for Llama, Mistral, Qwen2, Qwen3 and Phi-3 (which differ in QKV bias, per-head
+q/k RMSNorm, partial rotary, RoPE theta and scaling, and sliding window); read from an HF
+`config.json` here (`read_hf_config`) or from GGUF metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.arch_presets`. Torch-free:
 the planner, the simulator and tools/make_model.py describe models with it too.
 
 Reading a shape and running it are separate decisions. A `ModelArchitecture` can hold
@@ -299,8 +299,6 @@ def _rope_scaling(config: dict[str, Any]) -> RopeScaling:
         kwargs["original_max_position_embeddings"] = config.get(
             "original_max_position_embeddings", config.get("max_position_embeddings", 4096)
         )
-    if rope_type == "longrope" and params.get("factor") is None:
-        kwargs["factor"] = config.get("max_position_embeddings", 4096) / kwargs["original_max_position_embeddings"]
-    if rope_type == "yarn" and params.get("factor") is None:
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:  # as transformers infers it
         kwargs["factor"] = config.get("max_position_embeddings", 4096) / kwargs["original_max_position_embeddings"]
     return RopeScaling(**kwargs)

@@ -260,7 +260,7 @@ def read_architecture(reader, *, require_supported: bool = True, source: Path | 
             rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original),
             beta_fast=float(field(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
             beta_slow=float(field(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
-            attention_factor=attn * (1.0 + 0.1 * math.log(float(factor)) if float(factor) > 1 else 1.0),
+            attention_factor=attn * ((1.0 + 0.1 * math.log(float(factor))) if float(factor) > 1 else 1.0),
         )  # fmt: skip
     else:
         raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling_type!r}")

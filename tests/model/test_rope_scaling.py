@@ -92,3 +92,32 @@ def test_longrope_takes_its_short_or_long_factors_by_the_context_served():
         table = rope_inverse_frequencies(arch, max_positions=served + 1)  # a table of the context + 1 rows
         torch.testing.assert_close(table, inv_freq.float(), rtol=1e-6, atol=0)
         assert rope_attention_factor(arch) == pytest.approx(factor, rel=1e-12)
+
+
+def test_a_gguf_yarn_header_reads_as_llama_cpp_reads_it(tmp_path):
+    """llama.cpp's yarn keys: its cos/sin factor is its own 1 + 0.1·ln(factor) times the file's
+    attn_factor; the ramp's betas where written, transformers' defaults otherwise."""
+    import math
+
+    from gguf import GGUFWriter
+
+    from kvserve.model.gguf_metadata import open_gguf, read_architecture
+
+    path = tmp_path / "yarn.gguf"
+    w = GGUFWriter(str(path), "qwen3")
+    for key, value in (("block_count", 2), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("attention.head_count", 4), ("vocab_size", 300), ("context_length", 4096),
+                       ("rope.scaling.original_context_length", 1024)):  # fmt: skip
+        w.add_uint32(f"qwen3.{key}", value)
+    w.add_string("qwen3.rope.scaling.type", "yarn")
+    w.add_float32("qwen3.rope.scaling.factor", 4.0)
+    w.add_float32("qwen3.rope.scaling.attn_factor", 0.5)
+    w.add_float32("qwen3.rope.scaling.yarn_beta_fast", 16.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    arch = read_architecture(open_gguf(path))
+    s = arch.rope_scaling
+    assert (s.rope_type, s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow) == ("yarn", 4.0, 1024, 16.0, 1.0)
+    assert rope_attention_factor(arch) == pytest.approx(0.5 * (1 + 0.1 * math.log(4.0)))
