@@ -21,12 +21,12 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 # model types whose attention normalises each q and k head (Qwen3Attention's q_norm / k_norm)
-_QK_NORM_TYPES = ("qwen3",)
+_QK_NORM_TYPES = ("qwen3", "gemma3_text")
 
 # Read first, in this order, so a missing one is named the same way every time.
 _REQUIRED_HF_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -51,28 +51,31 @@ KV_INT8_SCALE_BYTES = 4
 
 def llama_layer_params(
     d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int, head_dim: int, *,
-    attention_bias: bool = False, qk_norm: bool = False,
+    attention_bias: bool = False, qk_norm: bool = False, sandwich_norms: bool = False,
 ) -> int:
     """Parameters of one Llama decoder layer: Q/K/V/O, the gated MLP, two RMSNorms; with
     `attention_bias` (Qwen2) the Q, K and V biases, (N_q + 2·N_kv)·H (O has none); with
-    `qk_norm` (Qwen3) the q and k RMSNorm weights, H each (shared by every head)."""
+    `qk_norm` (Qwen3) the q and k RMSNorm weights, H each (shared by every head); with
+    `sandwich_norms` (Gemma 3) two more RMSNorms, after attention and after the MLP."""
     attention = d_model * head_dim * (2 * num_query_heads + 2 * num_kv_heads)
     if attention_bias:
         attention += (num_query_heads + 2 * num_kv_heads) * head_dim
     if qk_norm:
         attention += 2 * head_dim
-    return attention + 3 * d_model * ffn_width + 2 * d_model
+    return attention + 3 * d_model * ffn_width + (4 if sandwich_norms else 2) * d_model
 
 
 def llama_num_params(
     num_layers: int, d_model: int, ffn_width: int, num_query_heads: int, num_kv_heads: int,
     head_dim: int, vocab_size: int, tied_embeddings: bool, *, attention_bias: bool = False, qk_norm: bool = False,
+    sandwich_norms: bool = False,
 ) -> int:
     """P of a Llama-shaped decoder: embeddings (and an untied LM head), the layers
     (`llama_layer_params`), then the final norm. A GGUF can be counted exactly from its
     tensor shapes instead."""
     per_layer = llama_layer_params(
-        d_model, ffn_width, num_query_heads, num_kv_heads, head_dim, attention_bias=attention_bias, qk_norm=qk_norm
+        d_model, ffn_width, num_query_heads, num_kv_heads, head_dim, attention_bias=attention_bias, qk_norm=qk_norm,
+        sandwich_norms=sandwich_norms,
     )
     embeddings = vocab_size * d_model * (1 if tied_embeddings else 2)
     return num_layers * per_layer + embeddings + d_model
@@ -128,6 +131,17 @@ class ModelArchitecture:
     qk_norm: bool = False
     # Phi-3/4: RoPE turns only the first rotary_dim = head_dim · this features of each head
     partial_rotary_factor: float = 1.0
+    # Gemma 3: RMSNorm weights stored as w and applied as (offset + w); the embeddings scaled by
+    # embedding_scale (√hidden); a norm after attention and after the MLP as well as before
+    # ("sandwich"); the MLP's activation; attention scaled by query_pre_attn_scalar^-1/2; each
+    # layer's kind ("sliding_attention" layers use rope_local_theta, the others rope_theta)
+    norm_weight_offset: float = 0.0
+    embedding_scale: float = 1.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -150,6 +164,25 @@ class ModelArchitecture:
                 f"kvserve implements {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         return self
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q·k: query_pre_attn_scalar^-1/2 where the config names it, else head_dim^-1/2."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_is_local(self, index: int) -> bool:
+        """Layer `index` attends within the sliding window with the local RoPE base (Gemma 3)."""
+        return bool(self.layer_types) and self.layer_types[index] == "sliding_attention"
+
+    @property
+    def llama_layer(self) -> str | None:
+        """None where every layer is Llama's (what the fused decode step runs), else what differs."""
+        parts = [what for what, differs in (
+            ("norms after attention and the MLP", self.sandwich_norms), (f"a {self.hidden_act} MLP", self.hidden_act != "silu"),
+            ("local and global RoPE bases", self.rope_local_theta is not None),
+            ("scaled embeddings", self.embedding_scale != 1.0),
+        ) if differs]  # fmt: skip
+        return ", ".join(parts) or None
 
     @property
     def rotary_dim(self) -> int:
@@ -175,7 +208,7 @@ class ModelArchitecture:
         """Parameters of all decoder layers (what multiplies every token's activations)."""
         return self.num_layers * llama_layer_params(
             self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
-            attention_bias=self.attention_bias, qk_norm=self.qk_norm,
+            attention_bias=self.attention_bias, qk_norm=self.qk_norm, sandwich_norms=self.sandwich_norms,
         )
 
     @property
@@ -184,7 +217,7 @@ class ModelArchitecture:
         return llama_num_params(
             self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
             self.head_dim, self.vocab_size, tied_embeddings=self.tie_word_embeddings,
-            attention_bias=self.attention_bias, qk_norm=self.qk_norm,
+            attention_bias=self.attention_bias, qk_norm=self.qk_norm, sandwich_norms=self.sandwich_norms,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,6 +232,7 @@ class ModelArchitecture:
                 scaling[key] = tuple(scaling[key])
         data["rope_scaling"] = RopeScaling(**scaling)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
+        data["layer_types"] = tuple(data.get("layer_types") or ())
         return cls(**data).check_supported()
 
     @classmethod
@@ -225,7 +259,8 @@ class ModelArchitecture:
         hidden = config["hidden_size"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = config.get("sliding_window") if config.get("use_sliding_window", model_type == "mistral") else None
+        gemma3 = model_type == "gemma3_text"
+        window = config.get("sliding_window") if config.get("use_sliding_window", model_type in ("mistral", "gemma3_text")) else None
         arch = cls(
             architecture=model_type,
             vocab_size=config["vocab_size"],
@@ -246,6 +281,7 @@ class ModelArchitecture:
             ),
             rope_scaling=_rope_scaling(config),
             sliding_window=window,
+            **(_gemma3_fields(config, hidden) if gemma3 else {}),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -272,9 +308,29 @@ def read_hf_config(path: str | Path, *, require_supported: bool = True) -> Model
         raise ModelLoadError(f"{config_path}: missing field {exc.args[0]!r}") from exc
 
 
+def _gemma3_fields(config: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """Gemma 3's options of the shared decoder (transformers' Gemma3TextConfig)."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"unsupported Gemma 3 hidden_activation {act!r} (kvserve runs gelu_pytorch_tanh)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key):
+            raise UnsupportedModelError(f"unsupported: {key}={config[key]} (logit soft-capping is not implemented)")
+    per_type = config.get("rope_parameters") or {}
+    local = (per_type.get("sliding_attention") or {}).get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
+    return dict(
+        norm_weight_offset=1.0, embedding_scale=float(hidden) ** 0.5, sandwich_norms=True, hidden_act="gelu_tanh",
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256), rope_local_theta=float(local),
+        layer_types=tuple(config.get("layer_types") or ()),
+    )  # fmt: skip
+
+
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 writes `rope_parameters`; older configs `rope_scaling` + `rope_theta`
+    # transformers 5 writes `rope_parameters`; older configs `rope_scaling` + `rope_theta`;
+    # Gemma 3 one set per layer kind, the global layers' is the model's
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     return params if isinstance(params, dict) else {}
 
 

@@ -230,7 +230,8 @@ class KernelSupport:
             + [None if c.enabled else f"{name} is off"
                for name, c in (("decode attention", decode_attention), ("rms_norm", rms_norm),
                                ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))]
-            + [None if qk_norm.enabled or not arch.qk_norm else "q/k norm is off"],
+            + [None if qk_norm.enabled or not arch.qk_norm else "q/k norm is off",
+               None if arch.llama_layer is None else f"the step runs Llama's layer; this one has {arch.llama_layer}"],
             "all layers of a decode batch in one C++ call",
         )
         return cls(

@@ -17,7 +17,9 @@ from typing import Any
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.arch import ModelArchitecture, RopeScaling
 
-GGUF_TO_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3"}
+GGUF_TO_HF_ARCH = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3", "gemma3": "gemma3_text",
+}  # fmt: skip
 
 
 _MAGIC = b"GGUF"
@@ -286,6 +288,7 @@ def read_architecture(reader, *, require_supported: bool = True, source: Path | 
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
         partial_rotary_factor=_partial_rotary(reader, a, hidden, num_heads),
+        **(_gemma3_fields(reader, a, num_layers, hidden, num_heads) if a == "gemma3" else {}),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
@@ -298,3 +301,17 @@ def _partial_rotary(reader, a: str, hidden: int, num_heads: int) -> float:
     head_dim = int(field(reader, f"{a}.attention.key_length") or hidden // num_heads)
     rotary = field(reader, f"{a}.rope.dimension_count")
     return 1.0 if rotary is None or int(rotary) >= head_dim else int(rotary) / head_dim
+
+
+def _gemma3_fields(reader, a: str, num_layers: int, hidden: int, num_heads: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp reads its GGUF: the norms' weights already hold 1 + w (its converter
+    adds the 1), every 6th layer global, the local layers' RoPE base 10,000, attention scaled
+    by head_dim^-1/2 (hidden / heads for the 62-layer 27B)."""
+    head_dim = int(field(reader, f"{a}.attention.key_length") or hidden // num_heads)
+    window = field(reader, f"{a}.attention.sliding_window")
+    kinds = tuple("full_attention" if (i + 1) % 6 == 0 or window is None else "sliding_attention" for i in range(num_layers))
+    return dict(
+        embedding_scale=float(hidden) ** 0.5, sandwich_norms=True, hidden_act="gelu_tanh",
+        query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim), rope_local_theta=10000.0,
+        layer_types=kinds, sliding_window=None if window is None else int(window),
+    )  # fmt: skip

@@ -9,7 +9,7 @@ from torch import nn
 
 from kvserve.kernels.support import KernelSupport
 from kvserve.arch import ModelArchitecture
-from kvserve.model.linear import GateUpSiluLinear, Linear
+from kvserve.model.linear import GateUpSiluLinear, Linear, cat_rows
 
 
 class RMSNorm(nn.Module):
@@ -159,3 +159,17 @@ class SiluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up(x))
+
+
+class GeluTanhMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's GeGLU): gate and up in one matmul, the
+    activation in torch (the fused SiLU epilogues do not apply)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, kernels: KernelSupport):
+        super().__init__()
+        self.gate_up = Linear(cat_rows([gate, up]), None, kernels)
+        self.down = Linear(down, None, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.gelu(gate, approximate="tanh") * up)

@@ -8,6 +8,7 @@ once at load (`KernelSupport`); the layers only call what they were given.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -19,8 +20,8 @@ from kvserve.attention.paged import paged_attention
 from kvserve.distributed.request_layout import RequestExchange, RequestHeads, RequestShardedMetadata, RequestStep
 from kvserve.kernels.support import KernelSupport
 from kvserve.memory import release_free_memory
-from kvserve.arch import ModelArchitecture
-from kvserve.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary, longrope_long
+from kvserve.arch import ModelArchitecture, RopeScaling
+from kvserve.model.layers import GeluTanhMLP, RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary, longrope_long
 from kvserve.model.linear import Linear, cat_rows
 from kvserve.model.quant_formats import QuantizedWeight
 
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attention_scale
         # Q, K and V in one matmul: one pass over the activations instead of three
         qkv = cat_rows([w.pop(f"{prefix}.{n}_proj.weight") for n in "qkv"])
         bias = torch.cat([w.pop(f"{prefix}.{n}_proj.bias") for n in "qkv"], dim=0) if arch.attention_bias else None
@@ -60,8 +61,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = self.k_norm = None
         if arch.qk_norm:
             ops = kernels.op("qk_norm")
-            self.q_norm = RMSNorm(w.pop(f"{prefix}.q_norm.weight"), arch.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(w.pop(f"{prefix}.k_norm.weight"), arch.rms_norm_eps, ops)
+            self.q_norm = _norm(arch, w, f"{prefix}.q_norm.weight", ops)
+            self.k_norm = _norm(arch, w, f"{prefix}.k_norm.weight", ops)
         self.rope_ops = kernels.op("rope_and_cache")
         self.decode_ops = kernels.op("decode_attention")
         self.prefill_ops = kernels.op("prefill_attention")
@@ -158,18 +159,39 @@ def _all_reduce(tp, x: torch.Tensor) -> torch.Tensor:
     return tp.all_reduce(x.float()).to(x.dtype)
 
 
+def _norm(arch: ModelArchitecture, w: dict[str, torch.Tensor], name: str, ops) -> RMSNorm:
+    """An RMSNorm from weight `name`, its stored w made the (offset + w) it is applied as (Gemma)."""
+    weight = w.pop(name)
+    if arch.norm_weight_offset:
+        weight = (weight.float() + arch.norm_weight_offset).to(weight.dtype)
+    return RMSNorm(weight, arch.rms_norm_eps, ops)
+
+
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP; with `arch.sandwich_norms` (Gemma 3) each branch's output is
+    normalised too before it joins the residual stream, and the MLP is GeGLU where the
+    architecture says so. `local`: the layer attends with the local RoPE base (Gemma 3)."""
+
     def __init__(
         self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int, kernels: KernelSupport, tp=None,
     ):  # fmt: skip
         super().__init__()
         self.tp = tp  # distributed/group.py TensorParallelGroup, or None
+        self.local = arch.layer_is_local(index)
         p = f"model.layers.{index}"
         norm_ops = kernels.op("rms_norm")
-        self.input_layernorm = RMSNorm(w.pop(f"{p}.input_layernorm.weight"), arch.rms_norm_eps, norm_ops)
+        self.input_layernorm = _norm(arch, w, f"{p}.input_layernorm.weight", norm_ops)
         self.self_attn = LlamaAttention(arch, w, f"{p}.self_attn", kernels)
-        self.post_attention_layernorm = RMSNorm(w.pop(f"{p}.post_attention_layernorm.weight"), arch.rms_norm_eps, norm_ops)
-        self.mlp = SiluMLP(w.pop(f"{p}.mlp.gate_proj.weight"), w.pop(f"{p}.mlp.up_proj.weight"), w.pop(f"{p}.mlp.down_proj.weight"), kernels)
+        # the norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
+        self.attn_out_norm = self.mlp_out_norm = None
+        if arch.sandwich_norms:
+            self.attn_out_norm = _norm(arch, w, f"{p}.post_attention_layernorm.weight", norm_ops)
+            self.post_attention_layernorm = _norm(arch, w, f"{p}.pre_feedforward_layernorm.weight", norm_ops)
+            self.mlp_out_norm = _norm(arch, w, f"{p}.post_feedforward_layernorm.weight", norm_ops)
+        else:
+            self.post_attention_layernorm = _norm(arch, w, f"{p}.post_attention_layernorm.weight", norm_ops)
+        gate, up, down = (w.pop(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+        self.mlp = GeluTanhMLP(gate, up, down, kernels) if arch.hidden_act == "gelu_tanh" else SiluMLP(gate, up, down, kernels)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, meta: AttentionMetadata
@@ -181,8 +203,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x = self.input_layernorm(h, residual)
         h = _all_reduce(self.tp, self.self_attn(x, rope, meta))
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
         x = self.post_attention_layernorm(h, residual)
-        return _all_reduce(self.tp, self.mlp(x)), residual
+        h = _all_reduce(self.tp, self.mlp(x))
+        if self.mlp_out_norm is not None:
+            h = self.mlp_out_norm(h)
+        return h, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -215,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
                     if isinstance(lin, Linear):
                         lin.process_weights_after_loading()
                 release_free_memory()  # the float copies just replaced, given back before the next layer
-        self.norm = RMSNorm(weights.pop("model.norm.weight"), arch.rms_norm_eps, kernels.op("rms_norm"))
+        self.norm = _norm(arch, weights, "model.norm.weight", kernels.op("rms_norm"))
         self.lm_head = Linear(embed if arch.tie_word_embeddings else weights.pop("lm_head.weight"), None, kernels, argmax=True)
         # the embedding table is a Linear too, read row by row from whatever layout it is held
         # in; tied, it is the LM head itself (one copy, in the head's layout)
@@ -224,6 +251,11 @@ class LlamaForCausalLM(nn.Module):
             if kernels.ops is not None:
                 lin.process_weights_after_loading()
         self.rotary = RotaryEmbedding(arch, max_positions, _rope_divisors(weights, arch, max_positions))
+        # Gemma 3's local layers: their own base, no scaling
+        self.local_rotary = None
+        if arch.rope_local_theta is not None:
+            local = dataclasses.replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=RopeScaling())
+            self.local_rotary = RotaryEmbedding(local, max_positions)
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
         self.request_heads = request_heads
         self._decode_model = None  # ops.DecodeModel, built on the first fused step
@@ -235,6 +267,12 @@ class LlamaForCausalLM(nn.Module):
         return self._dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self._embed_rows(input_ids)
+        if self.arch.embedding_scale != 1.0:  # Gemma: × √hidden, rounded to the activations' dtype first as transformers does
+            h = h * torch.tensor(self.arch.embedding_scale, dtype=h.dtype)
+        return h
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self.embed_tokens.embedding_rows(input_ids)
         # vocab-parallel: this rank's rows where the id is in its share, zeros elsewhere, summed
@@ -286,7 +324,8 @@ class LlamaForCausalLM(nn.Module):
         out the modules in `exclude`."""
         skipped = {id(p) for m in exclude for p in m.parameters()}
         tensors = [p for p in self.parameters() if id(p) not in skipped]
-        tensors += [b for b in self.buffers() if b is not self.rotary.cos_half and b is not self.rotary.sin_half]
+        tables = {id(b) for r in (self.rotary, self.local_rotary) if r is not None for b in r.buffers()}
+        tensors += [b for b in self.buffers() if id(b) not in tables]
         for lin in self.projections():
             if any(lin is m for m in exclude):
                 continue
@@ -344,13 +383,12 @@ class LlamaForCausalLM(nn.Module):
             rank = self.tp.rank
             first = sum(meta.rows_per_rank[:rank])
             local_positions = positions[first : first + meta.rows_per_rank[rank]]
-            step = RequestStep(
-                meta.per_rank[rank], RopeInputs(self.rotary, local_positions, h.dtype),
-                RequestExchange(self.tp, self.request_heads, meta.rows_per_rank),
-            )  # fmt: skip
+            exchange = RequestExchange(self.tp, self.request_heads, meta.rows_per_rank)
+            steps = {local: RequestStep(meta.per_rank[rank], rope, exchange)
+                     for local, rope in self._ropes(local_positions, h.dtype).items()}  # fmt: skip
             residual = None
             for layer in self.layers:
-                h, residual = layer(h, residual, None, step)
+                h, residual = layer(h, residual, None, steps[layer.local])
             return residual.add_(h)
         if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
@@ -360,13 +398,20 @@ class LlamaForCausalLM(nn.Module):
                 self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                 plan.kernel_plan if plan is not None else None,
             )
-        rope = RopeInputs(self.rotary, positions, h.dtype)
+        ropes = self._ropes(positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, meta)
+            h, residual = layer(h, residual, ropes[layer.local], meta)
             if after_layer is not None:
                 after_layer(i)
         return residual.add_(h)
+
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, RopeInputs]:
+        """The step's RoPE inputs by layer kind: global (False) and, where the model has them, local (True)."""
+        ropes = {False: RopeInputs(self.rotary, positions, dtype)}
+        if self.local_rotary is not None:
+            ropes[True] = RopeInputs(self.local_rotary, positions, dtype)
+        return ropes
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (model dtype) for the selected positions only; the LM head is the largest
@@ -420,6 +465,6 @@ class LlamaForCausalLM(nn.Module):
                 v_scales=[a.v_scale for a in attns] if int8 else [],
                 cos_half=self.rotary.cos_half, sin_half=self.rotary.sin_half,
                 num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                eps=arch.rms_norm_eps, scale=arch.head_dim**-0.5,
+                eps=arch.rms_norm_eps, scale=arch.attention_scale,
             )  # fmt: skip
         return self._decode_model

@@ -228,6 +228,7 @@ def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], pa
                 "mlp.up_proj.weight",
                 "mlp.down_proj.weight",
                 *(("self_attn.q_norm.weight", "self_attn.k_norm.weight") if arch.qk_norm else ()),
+                *(("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight") if arch.sandwich_norms else ()),
             )
         ]
     missing = [n for n in required if n not in weights]

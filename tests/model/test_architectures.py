@@ -1,5 +1,5 @@
 """Each architecture beyond Llama, Mistral and Qwen2 (Qwen3; Phi-3 with fused QKV and gate/up
-weights, and with Phi-4-mini's partial rotary and LongRoPE) against transformers on the same weights
+weights, and with Phi-4-mini's partial rotary and LongRoPE; Gemma 3) against transformers on the same weights
 (tiny random models from transformers' own config classes, tests/support/tiny_models.py),
 from its HF directory and from a GGUF of it: logits in fp32 to 1e-4 after the prefill and
 each decode step, and 32 greedy tokens; chunked prefill, prefix hits and preemption change no
@@ -22,8 +22,16 @@ from tests.support.paged_driver import PagedDriver, assert_follows_reference
 from tests.support.tiny_gguf import write_gguf
 from tests.support.tiny_models import PHI3_LONGROPE, TINY_VARIANTS, load_reference, make_tiny_model
 
-VARIANTS = {**{v: TINY_VARIANTS[v] for v in ("qwen3", "phi3")}, "phi3-longrope": PHI3_LONGROPE}
+VARIANTS = {
+    **{v: TINY_VARIANTS[v] for v in ("qwen3", "phi3")}, "phi3-longrope": PHI3_LONGROPE,
+    # Gemma 3: the 6th of 7 layers global (llama.cpp's fixed pattern of 6, so the GGUF agrees); a
+    # window of 64, which caps the context (no windowed attention yet)
+    "gemma3": dict(model_type="gemma3_text", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32, num_layers=7),
+}
 ARCHITECTURES = list(VARIANTS)
+HF_ONLY: set[str] = set()
+_GGUF_ARCH = {"gemma3_text": "gemma3"}  # llama.cpp's name where it differs from the model_type
+SOURCES = [pytest.param(v, s, id=f"{v}-{s}") for v in ARCHITECTURES for s in ("hf", "gguf") if s == "hf" or v not in HF_ONLY]
 # served within the original context, LongRoPE takes the short factors, as transformers does
 # for a sequence that short (tests/model/test_rope_scaling.py checks the long ones)
 ENGINE_ARGS = {"phi3-longrope": {"max_model_len": 128}}
@@ -42,8 +50,8 @@ def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 def ggufs(model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("arch-gguf")
     return {
-        v: str(write_gguf(Path(model_dirs[v]), root / f"{v}.gguf", architecture=VARIANTS[v]["model_type"]))
-        for v in ARCHITECTURES
+        v: str(write_gguf(Path(model_dirs[v]), root / f"{v}.gguf", architecture=_GGUF_ARCH.get(mt, mt)))
+        for v in ARCHITECTURES if v not in HF_ONLY for mt in [VARIANTS[v]["model_type"]]
     }
 
 
@@ -56,8 +64,7 @@ def _source(model_dirs, ggufs, variant: str, source: str) -> str:
     return model_dirs[variant] if source == "hf" else ggufs[variant]
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
-@pytest.mark.parametrize("variant", ARCHITECTURES)
+@pytest.mark.parametrize("variant, source", SOURCES)
 def test_logits_follow_transformers_in_fp32(model_dirs, ggufs, references, variant, source):
     path = _source(model_dirs, ggufs, variant, source)
     for cpu_kernels in (False, True):
@@ -71,8 +78,7 @@ def test_logits_follow_transformers_in_fp32(model_dirs, ggufs, references, varia
         assert_follows_reference(engine, references[variant], prompt, steps=6, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
-@pytest.mark.parametrize("variant", ARCHITECTURES)
+@pytest.mark.parametrize("variant, source", SOURCES)
 def test_32_greedy_tokens_equal_transformers(model_dirs, ggufs, references, variant, source):
     llm = LLM(_source(model_dirs, ggufs, variant, source), dtype="float32", kv_cache_memory="8MiB", **ENGINE_ARGS.get(variant, {}))
     prompt = llm.tokenizer.encode(PROMPT)
@@ -97,7 +103,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_change_no_token(model_dirs, 
     # 20 blocks of 4 positions: a request needs 10, five share 6 of them; four at once do not fit
     c_kv = alone.engine.layout.kv_bytes_per_position
     tight = LLM(path, dtype="float32", block_size=4, kv_cache_memory=20 * 4 * c_kv, max_num_batched_tokens=16,
-                long_prefill_token_threshold=8, max_model_len=80)  # fmt: skip
+                long_prefill_token_threshold=8, max_model_len=64)  # fmt: skip
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
     assert got == expected
     engine = tight.engine
@@ -106,7 +112,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_change_no_token(model_dirs, 
     assert engine.kv_cache.prefix_hits > 0
 
 
-@pytest.mark.parametrize("variant", ARCHITECTURES)
+@pytest.mark.parametrize("variant", [v for v in ARCHITECTURES if v not in HF_ONLY])
 def test_gguf_tensors_read_as_the_gguf_package_reads_them(ggufs, variant):
     """Every tensor kvserve takes from the GGUF equals gguf.GGUFReader's array of it, under
     the HF name kvserve maps it to (F32: no rounding on either side)."""
@@ -128,6 +134,8 @@ def test_gguf_tensors_read_as_the_gguf_package_reads_them(ggufs, variant):
     assert names == set(ours)
     assert any(n.endswith("q_norm.weight") for n in names) == arch.qk_norm
     assert any(n.endswith("qkv_proj.weight") for n in names) == (arch.architecture == "phi3")
+    if arch.architecture == "gemma3_text":  # llama.cpp's pattern: every 6th layer global
+        assert arch.layer_types == tuple("full_attention" if i == 5 else "sliding_attention" for i in range(7))
 
 
 def test_fused_weights_of_a_quantized_gguf_are_cut_in_their_packed_format(model_dirs, tmp_path):
@@ -145,3 +153,13 @@ def test_fused_weights_of_a_quantized_gguf_are_cut_in_their_packed_format(model_
         driver = PagedDriver(engine)
         logits.append(driver.prefill(driver.new_request(prompt)).float())
     assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0) > 0.99
+
+
+def test_gemma3_at_tp_2_equals_one_process(model_dirs):
+    """Its extra norms act on the AllReduced branch outputs, whole on every rank, and each layer
+    kind's RoPE table is every rank's (Qwen3 and Phi-3: tests/distributed/test_tensor_parallel.py)."""
+    from tests.support.tensor_parallel import greedy_tokens
+
+    expected, _ = greedy_tokens(model_dirs["gemma3"], 1)
+    got, engine = greedy_tokens(model_dirs["gemma3"], 2)
+    assert got == expected and engine.shard.world == 2

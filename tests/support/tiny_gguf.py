@@ -31,7 +31,12 @@ _NAMES = {
 
 
 # llama.cpp's Phi-3 tensors: Q/K/V in one, and ffn_up holding gate and up
-_ARCH_NAMES = {"phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}}
+_ARCH_NAMES = {
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+}  # fmt: skip
 
 
 def write_gguf(
@@ -41,6 +46,8 @@ def write_gguf(
     import gguf
 
     def add(name: str, t: np.ndarray) -> None:
+        if architecture == "gemma3" and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # llama.cpp's converter stores Gemma's norms as the 1 + w they apply
         if quant_type and name.endswith(".weight") and t.ndim == 2 and "norm" not in name:
             qtype = gguf.GGMLQuantizationType[quant_type]
             w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), qtype), raw_dtype=qtype)
@@ -61,11 +68,14 @@ def write_gguf(
     w.add_uint32(f"{a}.attention.head_count", n_heads)
     w.add_uint32(f"{a}.attention.head_count_kv", n_kv)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
-    w.add_float32(f"{a}.rope.freq_base", float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer kind; the global one is the file's
+    w.add_float32(f"{a}.rope.freq_base", float(config.get("rope_theta") or rope["rope_theta"]))
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     w.add_uint32(f"{a}.rope.dimension_count", int(head_dim * partial))
+    if architecture == "gemma3" and config.get("sliding_window"):
+        w.add_uint32(f"{a}.attention.sliding_window", config["sliding_window"])
     if rope.get("rope_type") == "longrope":  # the factors as tensors, as llama.cpp's converter writes them
         w.add_uint32(f"{a}.rope.scaling.original_context_length", config["original_max_position_embeddings"])
     if head_dim != config["hidden_size"] // n_heads:  # as llama.cpp's converter: only where it differs
@@ -83,6 +93,8 @@ def write_gguf(
     w.add_token_types([3 if t in added else 1 for t in tokens])
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_token_merges(merges)
+    if architecture == "gemma3":  # transformers builds a Gemma GGUF's tokenizer with an unknown token
+        w.add_unk_token_id(tokens.index("<|endoftext|>"))
     w.add_bos_token_id(config["bos_token_id"])
     w.add_eos_token_id(config["eos_token_id"])
     w.add_chat_template((hf_dir / "chat_template.jinja").read_text())

@@ -58,12 +58,15 @@ def make_tiny_model(
     rope_parameters: dict | None = None,
     partial_rotary_factor: float = 1.0,
     original_max_position_embeddings: int | None = None,
+    sliding_window: int = 64,
+    sliding_window_pattern: int = 6,
     seed: int = 0,
 ) -> Path:
     """Write a random model + tokenizer to `path` (an HF directory); returns `path`.
     `head_dim`: Qwen3's own (its config names it; hidden_size / num_heads otherwise);
     `rope_parameters`: a Llama's or Phi-3's RoPE scaling, as transformers' config takes it;
-    `partial_rotary_factor`, `original_max_position_embeddings`: Phi-3's."""
+    `partial_rotary_factor`, `original_max_position_embeddings`: Phi-3's; `sliding_window`,
+    `sliding_window_pattern`: Gemma 3's."""
     from transformers import (
         LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
         Qwen3ForCausalLM,
@@ -97,6 +100,19 @@ def make_tiny_model(
             for layer in model.model.layers:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                     norm.weight.normal_(1.0, 0.3)
+    elif model_type == "gemma3_text":  # every `sliding_window_pattern`-th layer global; the norms' w made to matter
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(
+            head_dim=head_dim or hidden_size // num_heads, sliding_window=sliding_window,
+            sliding_window_pattern=sliding_window_pattern,
+            query_pre_attn_scalar=head_dim or hidden_size // num_heads, pad_token_id=tokenizer.eos_token_id, **common,
+        )  # fmt: skip
+        model = Gemma3ForCausalLM(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and "norm" in name:
+                    p.normal_(0.0, 0.3)
     elif model_type == "phi3":  # Q/K/V and gate/up stored fused; partial rotary, LongRoPE where given
         rope = {"rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor, **(rope_parameters or {})}
         model = Phi3ForCausalLM(Phi3Config(
