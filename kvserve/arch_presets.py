@@ -25,6 +25,16 @@ def _qwen3(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab:
                              qk_norm=True)  # fmt: skip
 
 
+def _gemma3(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, vocab: int, context: int,
+            window: int) -> ModelArchitecture:  # fmt: skip
+    kinds = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
+    return ModelArchitecture(
+        "gemma3_text", vocab, hidden, ffn, layers, heads, kv_heads, head_dim, 1e-6, 1_000_000.0, context, True,
+        qk_norm=True, norm_weight_offset=1.0, embedding_scale=hidden**0.5, sandwich_norms=True, hidden_act="gelu_tanh",
+        query_pre_attn_scalar=float(head_dim), layer_types=kinds, rope_local_theta=10000.0, sliding_window=window,
+    )  # fmt: skip
+
+
 _LLAMA_3_8B = _llama(32, 4096, 14336, 32, 8, 128, 128256, False, 500000.0, 131072, _llama3_rope(8.0))
 
 PRESETS: dict[str, ModelArchitecture] = {
@@ -34,6 +44,7 @@ PRESETS: dict[str, ModelArchitecture] = {
     "llama-3.2-1b": _llama(16, 2048, 8192, 32, 8, 64, 128256, True, 500000.0, 131072, _llama3_rope(32.0)),
     "llama-3.1-8b": _LLAMA_3_8B,
     "qwen3-1.7b": _qwen3(28, 2048, 6144, 16, 8, 151936, True, 40960),
+    "gemma-3-1b": _gemma3(26, 1152, 6912, 4, 1, 256, 262144, 32768, 512),
     # every tensor kind (an untied LM head too), every row a whole number of 256-weight super-blocks
     "tiny": _llama(2, 256, 512, 4, 2, 64, 49152, False, 10000.0, 8192),
 }
@@ -45,5 +56,6 @@ NOTES: dict[str, str] = {
     "llama-3.2-1b": "Llama-3.2-1B (tied embeddings)",
     "llama-3.1-8b": "Llama-3.1-8B",
     "qwen3-1.7b": "Qwen3-1.7B (tied embeddings; head_dim 128, per-head q/k RMSNorm)",
+    "gemma-3-1b": "Gemma-3-1B text (tied embeddings; head_dim 256; 5 of every 6 layers local, window 512)",
     "tiny": "two layers of hidden 256, the test shape of tools/make_model.py",
 }

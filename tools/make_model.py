@@ -114,8 +114,13 @@ def _tensors(s: ModelArchitecture) -> list[tuple[str, str | None, tuple[int, ...
              ("attn_k", "self_attn.k_proj", (kv, D)), ("attn_v", "self_attn.v_proj", (kv, D)),
              ("attn_output", "self_attn.o_proj", (D, q)), ("ffn_norm", "post_attention_layernorm", (D,)),
              ("ffn_gate", "mlp.gate_proj", (F, D)), ("ffn_up", "mlp.up_proj", (F, D)), ("ffn_down", "mlp.down_proj", (D, F))]  # fmt: skip
-    if s.qk_norm:  # Qwen3: one RMSNorm weight of head_dim for the q heads, one for the k heads
+    if s.qk_norm:  # Qwen3, Gemma 3: one RMSNorm weight of head_dim for the q heads, one for the k heads
         layer[4:4] = [("attn_q_norm", "self_attn.q_norm", (s.head_dim,)), ("attn_k_norm", "self_attn.k_norm", (s.head_dim,))]
+    if s.sandwich_norms:  # Gemma 3: a norm after each branch; ffn_norm is its pre-feedforward one
+        at = [g for g, _, _ in layer].index("ffn_norm")
+        layer[at] = ("ffn_norm", "pre_feedforward_layernorm", (D,))
+        layer.insert(at, ("post_attention_norm", "post_attention_layernorm", (D,)))
+        layer.append(("post_ffw_norm", "post_feedforward_layernorm", (D,)))
     for i in range(s.num_layers):
         out += [(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", shape) for g, h, shape in layer]
     out.append(("output_norm.weight", "model.norm.weight", (D,)))
@@ -254,7 +259,7 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
 
-    a = shape.architecture  # the GGUF's key prefix, as llama.cpp names the architecture
+    a = _GGUF_ARCH.get(shape.architecture, shape.architecture)  # the key prefix, as llama.cpp names the architecture
     w = gguf.GGUFWriter(str(tmp), a)
     w.add_type("model")
     w.add_name(f"random {shape_name} {fmt}")
@@ -269,6 +274,8 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
         w.add_uint32(f"{a}.{key}", value)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_norm_eps)
     w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
+    if shape.sliding_window:
+        w.add_uint32(f"{a}.attention.sliding_window", shape.sliding_window)
     w.add_uint32("general.file_type", _FILE_TYPES[fmt])
     if fmt not in ("f16", "bf16"):
         w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
@@ -303,6 +310,8 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
 
 
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp's architecture names where they differ from the model_type
+_GGUF_ARCH = {"gemma3_text": "gemma3"}
 
 
 def hf_config(shape: ModelArchitecture, bos: int | None, eos: int | None) -> dict:
@@ -362,6 +371,8 @@ def write_hf(out: Path, shape_name: str, seed: int = 0, quiet: bool = True,
 
     start = time.perf_counter()
     shape, src, fields = _shape_and_tokenizer(shape_name)
+    if shape.architecture not in _HF_CLASSES:  # Gemma's config and its stored-w norms: not written yet
+        raise ConfigError("format", f"hf-bf16 is not made for the {shape_name} shape ({shape.architecture}); make a GGUF")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.safetensors"):
@@ -445,7 +456,7 @@ def verify_gguf(path: Path | str, shape_name: str, fmt: str, sample: int = 4) ->
     shape = SHAPES[shape_name]
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    vocab = int(reader.fields[f"{shape.architecture}.vocab_size"].contents())
+    vocab = int(reader.fields[f"{_GGUF_ARCH.get(shape.architecture, shape.architecture)}.vocab_size"].contents())
     planned = gguf_tensors(dataclasses.replace(shape, vocab_size=vocab))
     assert [t.name for t in reader.tensors] == [n for n, _ in planned], "tensor names or order differ from the plan"
     by_type: dict[str, list[str]] = {}
