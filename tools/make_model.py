@@ -5,10 +5,11 @@ writes a model of a named shape (the shared presets, `kvserve.arch_presets`) wit
 weights and the SmolLM2 vocabulary (the tokenizer metadata of the default model's GGUF,
 copied field by field, so the engine's tokenizer, chat template and stop tokens work), as
 
-- a GGUF (`gguf.GGUFWriter`, arch `llama`) in a float type (`f16`, `bf16`) or a block
-  quantization (`q8_0`, `q4_0`, `q4_1`, `q4_k`, `q5_k`, `q6_k`, `q4_k_m`), or
-- a Hugging Face directory (`hf-bf16`): config.json, generation_config.json, the
-  tokenizer files, and bf16 safetensors in shards of at most 2 GB.
+- a GGUF (`gguf.GGUFWriter`, arch `llama`, `qwen3` or `gemma3` as llama.cpp names them) in
+  a float type (`f16`, `bf16`) or a block quantization (`q8_0`, `q4_0`, `q4_1`, `q4_k`,
+  `q5_k`, `q6_k`, `q4_k_m`), or
+- a Hugging Face directory (`hf-bf16`; Llama and Qwen3 shapes): config.json,
+  generation_config.json, the tokenizer files, and bf16 safetensors in shards of at most 2 GB.
 
     python -m tools.make_model --shape llama-3.2-1b --format q4_0 --out /models/llama-1b-q4_0.gguf
 
