@@ -308,6 +308,12 @@ def read_hf_config(path: str | Path, *, require_supported: bool = True) -> Model
         raise ModelLoadError(f"{config_path}: missing field {exc.args[0]!r}") from exc
 
 
+def gemma3_layer_types(num_layers: int, every: int = 6) -> tuple[str, ...]:
+    """Gemma 3's layer kinds: every `every`-th layer global, the others local (transformers'
+    sliding_window_pattern, which llama.cpp fixes at 6)."""
+    return tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(num_layers))
+
+
 def _gemma3_fields(config: dict[str, Any], hidden: int) -> dict[str, Any]:
     """Gemma 3's options of the shared decoder (transformers' Gemma3TextConfig)."""
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"

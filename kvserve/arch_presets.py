@@ -7,7 +7,7 @@ epsilon, context); tools/make_model.py writes them into its files as the real mo
 
 from __future__ import annotations
 
-from kvserve.arch import ModelArchitecture, RopeScaling
+from kvserve.arch import ModelArchitecture, RopeScaling, gemma3_layer_types
 
 
 def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, vocab: int, tied: bool,
@@ -27,11 +27,10 @@ def _qwen3(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab:
 
 def _gemma3(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, vocab: int, context: int,
             window: int) -> ModelArchitecture:  # fmt: skip
-    kinds = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
     return ModelArchitecture(
         "gemma3_text", vocab, hidden, ffn, layers, heads, kv_heads, head_dim, 1e-6, 1_000_000.0, context, True,
         qk_norm=True, norm_weight_offset=1.0, embedding_scale=hidden**0.5, sandwich_norms=True, hidden_act="gelu_tanh",
-        query_pre_attn_scalar=float(head_dim), layer_types=kinds, rope_local_theta=10000.0, sliding_window=window,
+        query_pre_attn_scalar=float(head_dim), layer_types=gemma3_layer_types(layers), rope_local_theta=10000.0, sliding_window=window,
     )  # fmt: skip
 
 

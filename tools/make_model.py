@@ -56,6 +56,7 @@ from gguf import GGMLQuantizationType as T
 from kvserve.errors import ConfigError
 from kvserve.arch import ModelArchitecture
 from kvserve.arch_presets import PRESETS
+from kvserve.model.gguf_metadata import HF_TO_GGUF_ARCH
 from tools.quant_blocks import BLOCK_MAKERS, WEIGHT_STD
 
 VOCAB_SIZE = 49152  # the default model's tokenizer, which every file carries (checked against its GGUF)
@@ -260,7 +261,7 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
 
-    a = _GGUF_ARCH.get(shape.architecture, shape.architecture)  # the key prefix, as llama.cpp names the architecture
+    a = HF_TO_GGUF_ARCH[shape.architecture]  # the key prefix, as llama.cpp names the architecture
     w = gguf.GGUFWriter(str(tmp), a)
     w.add_type("model")
     w.add_name(f"random {shape_name} {fmt}")
@@ -311,8 +312,6 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
 
 
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# llama.cpp's architecture names where they differ from the model_type
-_GGUF_ARCH = {"gemma3_text": "gemma3"}
 
 
 def hf_config(shape: ModelArchitecture, bos: int | None, eos: int | None) -> dict:
@@ -457,7 +456,7 @@ def verify_gguf(path: Path | str, shape_name: str, fmt: str, sample: int = 4) ->
     shape = SHAPES[shape_name]
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    vocab = int(reader.fields[f"{_GGUF_ARCH.get(shape.architecture, shape.architecture)}.vocab_size"].contents())
+    vocab = int(reader.fields[f"{HF_TO_GGUF_ARCH[shape.architecture]}.vocab_size"].contents())
     planned = gguf_tensors(dataclasses.replace(shape, vocab_size=vocab))
     assert [t.name for t in reader.tensors] == [n for n, _ in planned], "tensor names or order differ from the plan"
     by_type: dict[str, list[str]] = {}

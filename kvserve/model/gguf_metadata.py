@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.arch import ModelArchitecture, RopeScaling
+from kvserve.arch import ModelArchitecture, RopeScaling, gemma3_layer_types
 
 GGUF_TO_HF_ARCH = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3", "gemma3": "gemma3_text",
 }  # fmt: skip
+# the other way: the name llama.cpp gives each model_type in a GGUF
+HF_TO_GGUF_ARCH = {hf: gguf_name for gguf_name, hf in GGUF_TO_HF_ARCH.items()}
 
 
 _MAGIC = b"GGUF"
@@ -309,7 +311,7 @@ def _gemma3_fields(reader, a: str, num_layers: int, hidden: int, num_heads: int)
     by head_dim^-1/2 (hidden / heads for the 62-layer 27B)."""
     head_dim = int(field(reader, f"{a}.attention.key_length") or hidden // num_heads)
     window = field(reader, f"{a}.attention.sliding_window")
-    kinds = tuple("full_attention" if (i + 1) % 6 == 0 or window is None else "sliding_attention" for i in range(num_layers))
+    kinds = gemma3_layer_types(num_layers) if window is not None else ("full_attention",) * num_layers
     return dict(
         embedding_scale=float(hidden) ** 0.5, sandwich_norms=True, hidden_act="gelu_tanh",
         query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim), rope_local_theta=10000.0,

@@ -256,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
         if arch.rope_local_theta is not None:
             local = dataclasses.replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=RopeScaling())
             self.local_rotary = RotaryEmbedding(local, max_positions)
+        # Gemma: embeddings × √hidden, the factor rounded to the activations' dtype first as transformers does
+        self._embed_scale = None if arch.embedding_scale == 1.0 else torch.tensor(arch.embedding_scale, dtype=self._dtype)
         self.fused_decode = True  # tests turn it off to compare with the layer-by-layer path
         self.request_heads = request_heads
         self._decode_model = None  # ops.DecodeModel, built on the first fused step
@@ -268,9 +270,7 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self._embed_rows(input_ids)
-        if self.arch.embedding_scale != 1.0:  # Gemma: × √hidden, rounded to the activations' dtype first as transformers does
-            h = h * torch.tensor(self.arch.embedding_scale, dtype=h.dtype)
-        return h
+        return h if self._embed_scale is None else h * self._embed_scale
 
     def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

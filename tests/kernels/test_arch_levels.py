@@ -70,7 +70,7 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
     k = engine.model.kernels
     assert k.level == (kernel_level or k.level), k.describe()
     assert k.qk_norm.enabled == engine.arch.qk_norm, k.describe()
-    assert k.decode_attention.enabled == (engine.arch.head_dim <= 128), k.describe()
+    assert k.decode_attention.enabled == (engine.arch.head_dim <= ops.limits()["decode_attention_max_head_dim"]), k.describe()
     assert k.fused_decode.enabled == (shape not in NOT_FUSED), k.describe()
     if shape in PARTIAL:
         assert "partial rotary (96 of head_dim 128 turned)" in k.rope_and_cache.reason

@@ -18,6 +18,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.model.gguf_metadata import HF_TO_GGUF_ARCH
 from tests.support.paged_driver import PagedDriver, assert_follows_reference
 from tests.support.tiny_gguf import write_gguf
 from tests.support.tiny_models import PHI3_LONGROPE, TINY_VARIANTS, load_reference, make_tiny_model
@@ -30,7 +31,6 @@ VARIANTS = {
 }
 ARCHITECTURES = list(VARIANTS)
 HF_ONLY: set[str] = set()
-_GGUF_ARCH = {"gemma3_text": "gemma3"}  # llama.cpp's name where it differs from the model_type
 SOURCES = [pytest.param(v, s, id=f"{v}-{s}") for v in ARCHITECTURES for s in ("hf", "gguf") if s == "hf" or v not in HF_ONLY]
 # served within the original context, LongRoPE takes the short factors, as transformers does
 # for a sequence that short (tests/model/test_rope_scaling.py checks the long ones)
@@ -50,7 +50,7 @@ def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 def ggufs(model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("arch-gguf")
     return {
-        v: str(write_gguf(Path(model_dirs[v]), root / f"{v}.gguf", architecture=_GGUF_ARCH.get(mt, mt)))
+        v: str(write_gguf(Path(model_dirs[v]), root / f"{v}.gguf", architecture=HF_TO_GGUF_ARCH[mt]))
         for v in ARCHITECTURES if v not in HF_ONLY for mt in [VARIANTS[v]["model_type"]]
     }
 
