@@ -171,8 +171,24 @@ class ModelArchitecture:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_is_local(self, index: int) -> bool:
-        """Layer `index` attends within the sliding window with the local RoPE base (Gemma 3)."""
-        return bool(self.layer_types) and self.layer_types[index] == "sliding_attention"
+        """Layer `index` turns its queries and keys with the local RoPE base (Gemma 3's sliding layers)."""
+        return self.rope_local_theta is not None and self.layer_window(index) is not None
+
+    def layer_window(self, index: int) -> int | None:
+        """The positions layer `index` attends to back from each query, its own included (query p
+        sees keys p - W + 1 .. p, as transformers' sliding mask), or None for full attention: the
+        `sliding_attention` layers of `layer_types` where the model lists kinds, else every layer
+        of a model with a sliding window (Mistral v0.1)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
+        return self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's window (`layer_window`), in layer order."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     @property
     def llama_layer(self) -> str | None:
@@ -261,6 +277,7 @@ class ModelArchitecture:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         gemma3 = model_type == "gemma3_text"
         window = config.get("sliding_window") if config.get("use_sliding_window", model_type in ("mistral", "gemma3_text")) else None
+        layer_types = _layer_types(config, model_type, window)
         arch = cls(
             architecture=model_type,
             vocab_size=config["vocab_size"],
@@ -281,6 +298,7 @@ class ModelArchitecture:
             ),
             rope_scaling=_rope_scaling(config),
             sliding_window=window,
+            layer_types=layer_types,
             **(_gemma3_fields(config, hidden) if gemma3 else {}),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -327,8 +345,24 @@ def _gemma3_fields(config: dict[str, Any], hidden: int) -> dict[str, Any]:
     return dict(
         norm_weight_offset=1.0, embedding_scale=float(hidden) ** 0.5, sandwich_norms=True, hidden_act="gelu_tanh",
         query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256), rope_local_theta=float(local),
-        layer_types=tuple(config.get("layer_types") or ()),
     )  # fmt: skip
+
+
+def _layer_types(config: dict[str, Any], model_type: str, window: int | None) -> tuple[str, ...]:
+    """Each layer's attention kind where they differ: the config's `layer_types` (transformers
+    writes them for Gemma 3 and, with a window, Qwen2), else Qwen2's rule (layers from
+    `max_window_layers` on slide). Empty: every layer alike (full, or all sliding with a window)."""
+    if window is None:
+        return ()
+    if config.get("layer_types"):
+        return tuple(config["layer_types"])
+    layers = config["num_hidden_layers"]
+    if model_type == "gemma3_text":
+        return gemma3_layer_types(layers, int(config.get("sliding_window_pattern") or 6))
+    if model_type == "qwen2":
+        first = int(config.get("max_window_layers", 28))
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    return ()
 
 
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,12 @@ import dataclasses
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from kvserve.attention.shared_prefix_plan import SharedPrefixPlan, kv_positions_read
+
+if TYPE_CHECKING:
+    from kvserve.attention.sliding_window import WindowedRows
 
 
 @dataclasses.dataclass
@@ -66,6 +71,10 @@ class AttentionMetadata:
     # then runs every row through the decode kernel, so a position's result is the same
     # whether it is decoded or inside any chunk of a prompt. None: rows go by their kind
     row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    # per sliding window W of the model's layers, where some row of the step sees past W (or
+    # always under --deterministic): that window's rows (attention/sliding_window.py). A window
+    # absent here hides nothing this step, and its layers run as global ones
+    windowed: dict[int, "WindowedRows"] = dataclasses.field(default_factory=dict)
     _groups: tuple[list[FreshGroup], list[PrefillSegment]] | None = dataclasses.field(default=None, repr=False)
     _kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = dataclasses.field(default=None, repr=False)
 

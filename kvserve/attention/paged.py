@@ -12,6 +12,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata, SharedPrefixTensors
 from kvserve.attention.reference import decode_attention, prefill_attention, shared_prefix_decode_attention
+from kvserve.attention.sliding_window import windowed_attention
 
 
 def shared_prefix_decode_attention_kernels(
@@ -32,6 +33,7 @@ def shared_prefix_decode_attention_kernels(
 def paged_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float,
     decode_ops=None, prefill_ops=None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H].
 
@@ -43,8 +45,12 @@ def paged_attention(
     A `meta.shared_prefix` plan runs the decodes in parts, each shared prefix read once per
     group: on the kernels where the plan was built for them (bf16 queries, bf16 or int8
     pools), else on the reference path. `meta.row_tables` (--deterministic)
-    runs every row, decode or prompt, through the decode kernel.
+    runs every row, decode or prompt, through the decode kernel. A layer with a sliding
+    `window` that some row of the step sees past runs within it (attention/sliding_window.py).
     """
+    rows = meta.windowed.get(window) if window is not None else None
+    if rows is not None:
+        return windowed_attention(q, k_pool, v_pool, meta, rows, scale, decode_ops, k_scale, v_scale)
     if meta.row_tables is not None and decode_ops is not None:  # --deterministic: one kernel for every row
         tables, lens = meta.row_tables
         return decode_ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, k_scale, v_scale)

@@ -22,13 +22,22 @@ def decode_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, N_q, H], one new position per request → [B, N_q, H]."""
+    return attend_rows(q, k_pool, v_pool, meta.decode_slots, meta.decode_mask, scale, k_scale, v_scale)
+
+
+def attend_rows(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each row of q ([B, N_q, H]) over the positions at its row of `slots` ([B, S]) that its
+    row of `mask` ([B, 1, 1, S], True = visible) shows → [B, N_q, H]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[-2]
     g = num_heads // num_kv_heads
-    k = gather(k_pool, meta.decode_slots, k_scale, q.dtype).permute(0, 2, 1, 3)  # [B, N_kv, S, H]
-    v = gather(v_pool, meta.decode_slots, v_scale, q.dtype).permute(0, 2, 1, 3)
-    qg = q.view(batch, num_kv_heads, g, head_dim)  # g query heads of a KV head as g "rows"
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)
+    k = gather(k_pool, slots, k_scale, q.dtype).permute(0, 2, 1, 3)  # [B, N_kv, S, H]
+    v = gather(v_pool, slots, v_scale, q.dtype).permute(0, 2, 1, 3)
+    qg = q.reshape(batch, num_kv_heads, g, head_dim)  # g query heads of a KV head as g "rows"
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 

@@ -26,12 +26,23 @@ def describe(engine: LLMEngine) -> str:
         f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
         f"max_model_len {engine.max_model_len}; loaded in {engine.load_seconds:.1f}s"
         f"{' (cached weights)' if engine.loaded_from_cache else ''}\n"
-        f"{tensor_parallel_line(engine)}"
+        f"{tensor_parallel_line(engine)}{sliding_window_line(engine)}"
         + ("deterministic: every attention row through the decode kernel, projections in one summation order, "
            "shared-prefix attention off (docs/deterministic.md)\n" if config.deterministic else "")
         + f"{engine.kernels.describe()}\n{engine.model.describe_projections()}"
         + "".join(f"\n  note: {note}" for note in engine.format_notes)
     )
+
+
+def sliding_window_line(engine: LLMEngine) -> str:
+    """The layers that attend within a sliding window, and what the pool keeps for them; else nothing."""
+    windows = engine.arch.layer_windows
+    sizes = sorted({w for w in windows if w is not None})
+    if not sizes:
+        return ""
+    counts = ", ".join(f"{w} positions on {sum(x == w for x in windows)} of {len(windows)} layers" for w in sizes)
+    return (f"sliding window: {counts}; a step whose rows pass it attends within it row by row "
+            "(attention/sliding_window.py); the pool still keeps every position's KV in those layers\n")
 
 
 def tensor_parallel_line(engine: LLMEngine) -> str:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, SharedPrefixTensors, context_slots, rectangular_causal_bias
 from kvserve.attention.shared_prefix_plan import SharedPrefixRule, find_shared_prefill_prefixes
+from kvserve.attention.sliding_window import WindowedRows
 from kvserve.distributed.request_layout import RequestShardedMetadata
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplerOutput
@@ -120,6 +121,7 @@ class ModelRunner:
             model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
         # the decode-attention kernel walks block tables itself: no slot lists or masks needed
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
+        self.windows = sorted({w for w in model.arch.layer_windows if w is not None})  # the layers' sliding windows
         self.sampler = Sampler(model.kernels.op("argmax_rows"))
 
     def execute_model(
@@ -228,6 +230,7 @@ class ModelRunner:
         row_tables = None
         if self.deterministic and prefills and self.decode_reads_pool_in_place:
             row_tables = self._row_tables(ordered, block_tables)
+        windowed = self._windowed_rows(ordered, block_tables, row_tables)
         if decodes:
             lens_list = [s.request.num_computed_tokens + 1 for s in decodes]
             kv_positions_read += sum(lens_list)
@@ -267,7 +270,29 @@ class ModelRunner:
             shared_prefix=shared_prefix,
             kv_positions_read=kv_positions_read,
             prefill_sharing=prefill_sharing,
+            windowed=windowed,
         )
+
+    def _windowed_rows(
+        self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]], row_tables
+    ) -> dict[int, WindowedRows]:
+        """Per sliding window of the model that some row of these requests sees past: its rows
+        (attention/sliding_window.py); on the kernels every row as a decode query, on the
+        reference path the decode rows' ranges gathered."""
+        if not self.windows or not ordered:
+            return {}
+        longest = max(s.request.num_computed_tokens + s.num_new_tokens for s in ordered)
+        windows = [w for w in self.windows if longest > w]
+        if not windows:
+            return {}
+        if self.decode_reads_pool_in_place:
+            tables, lens = row_tables if row_tables is not None else self._row_tables(ordered, block_tables)
+            return {w: WindowedRows.for_kernels(w, tables, lens) for w in windows}
+        decodes = [s for s in ordered if s.num_new_tokens == 1]
+        decode_tables = [block_tables[s.request.request_id] for s in decodes]
+        decode_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+        bs = self.layout.block_size
+        return {w: WindowedRows.for_reference(w, decode_tables, decode_lens, bs, self.device) for w in windows}
 
     def _row_tables(self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row of these requests as a decode query: its request's block table and its

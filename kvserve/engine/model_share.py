@@ -126,14 +126,13 @@ def build_model_share(config: EngineConfig, tp, loaded: LoadedModel | None, tp_n
 
 
 def _context_len(config: EngineConfig, arch, layout: KVPoolLayout) -> int:
-    """The longest context served: the model's (its sliding window's, dynamic NTK's original
-    context), or max_model_len if it fits."""
+    """The longest context served: the model's (dynamic NTK's original context), or
+    max_model_len if it fits. A sliding window does not cap it: those layers attend within
+    their window however long the sequence (attention/sliding_window.py)."""
     if layout.num_blocks < 1:
         need = layout.kv_bytes_per_position * config.block_size
         raise ConfigError("kv_cache_memory", f"{config.kv_cache_memory} bytes hold no block; at least {need} needed")
     model_len = arch.max_position_embeddings
-    if arch.sliding_window and arch.sliding_window < model_len:
-        model_len = arch.sliding_window  # beyond the window, full attention would differ from the model's
     scaling = arch.rope_scaling
     if scaling.rope_type == "dynamic" and scaling.original_max_position_embeddings < model_len:
         # dynamic NTK rescales RoPE's base once a sequence passes the original context, by its

@@ -44,8 +44,12 @@ class RopeInputs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str, kernels: KernelSupport):
+    def __init__(
+        self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str, kernels: KernelSupport,
+        window: int | None = None,
+    ):
         super().__init__()
+        self.window = window  # a sliding window's width, None for full attention (attention/sliding_window.py)
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -95,7 +99,8 @@ class LlamaAttention(nn.Module):
         tokens = qkv.shape[0]
         q = self.rope_and_cache(qkv, rope, meta, num_heads, num_kv_heads)
         out = paged_attention(
-            q, self.k_pool, self.v_pool, meta, self.scale, self.decode_ops, self.prefill_ops, self.k_scale, self.v_scale
+            q, self.k_pool, self.v_pool, meta, self.scale, self.decode_ops, self.prefill_ops, self.k_scale, self.v_scale,
+            self.window,
         )
         return out.reshape(tokens, num_heads * self.head_dim)
 
@@ -181,7 +186,7 @@ class LlamaDecoderLayer(nn.Module):
         p = f"model.layers.{index}"
         norm_ops = kernels.op("rms_norm")
         self.input_layernorm = _norm(arch, w, f"{p}.input_layernorm.weight", norm_ops)
-        self.self_attn = LlamaAttention(arch, w, f"{p}.self_attn", kernels)
+        self.self_attn = LlamaAttention(arch, w, f"{p}.self_attn", kernels, arch.layer_window(index))
         # the norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
         self.attn_out_norm = self.mlp_out_norm = None
         if arch.sandwich_norms:
@@ -390,9 +395,10 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 h, residual = layer(h, residual, None, steps[layer.local])
             return residual.add_(h)
-        if not meta.prefills and 0 < input_ids.shape[0] <= self.fused_decode_rows():
+        if not meta.prefills and not meta.windowed and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
-            # attention in its parts (kernels/shared_prefix_decode.cpp)
+            # attention in its parts (kernels/shared_prefix_decode.cpp); a step where a row
+            # sees past a sliding window goes layer by layer (attention/sliding_window.py)
             plan = meta.shared_prefix
             return self.kernels.ops.decode_layers(
                 self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,

@@ -26,11 +26,16 @@ SHAPES = {
     # Phi-4-mini's: head_dim 128, RoPE over 96 of it (no kernel: RoPE, the K/V write and so the
     # decode step on the torch path, the rest on the kernels)
     "phi4-partial": dict(model_type="phi3", num_heads=4, num_kv_heads=2, hidden_size=512, partial_rotary_factor=0.75),
-    # Gemma-3-1B's head: head_dim 256 (past the decode kernel's widest: attention on torch), one KV head
-    "gemma3-hd256": dict(model_type="gemma3_text", num_heads=2, num_kv_heads=1, hidden_size=256, head_dim=256, num_layers=2),
+    # Gemma-3-1B's head: head_dim 256 (past the decode kernel's widest: attention on torch), one KV
+    # head; a window of 8, which the prompt passes (the local layer within it, on torch)
+    "gemma3-hd256": dict(model_type="gemma3_text", num_heads=2, num_kv_heads=1, hidden_size=256, head_dim=256, num_layers=2,
+                         sliding_window=8),
+    # Mistral v0.1's window (8 here, past the prompt): every row on the decode kernel's ranged form
+    "mistral-window": dict(model_type="mistral", num_heads=4, num_kv_heads=2, hidden_size=256, sliding_window=8),
 }
 PARTIAL = {"phi4-partial"}
 NOT_FUSED = PARTIAL | {"gemma3-hd256"}  # the fused step runs Llama's layer with full rotary only
+WINDOWED = {"mistral-window"}  # its steps all see past the window, so none takes the fused step
 PROMPT = "What is the capital of France? The capital"
 STEPS = 4
 
@@ -84,7 +89,7 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
     assert kernel_error <= 1.25 * torch_error + 1e-2, (kernel_error, torch_error)
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s not in NOT_FUSED])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s not in NOT_FUSED | WINDOWED])
 def test_fused_decode_equals_layer_by_layer(kernel_level, shape_dirs, shape):
     engine = _engine(shape_dirs[shape])
     prompt = engine.tokenizer.encode(PROMPT)

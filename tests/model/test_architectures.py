@@ -1,5 +1,6 @@
 """Each architecture beyond Llama, Mistral and Qwen2 (Qwen3; Phi-3 with fused QKV and gate/up
-weights, and with Phi-4-mini's partial rotary and LongRoPE; Gemma 3) against transformers on the same weights
+weights, and with Phi-4-mini's partial rotary and LongRoPE; Gemma 3), and Mistral's sliding
+window, against transformers on the same weights
 (tiny random models from transformers' own config classes, tests/support/tiny_models.py),
 from its HF directory and from a GGUF of it: logits in fp32 to 1e-4 after the prefill and
 each decode step, and 32 greedy tokens; chunked prefill, prefix hits and preemption change no
@@ -26,11 +27,16 @@ from tests.support.tiny_models import PHI3_LONGROPE, TINY_VARIANTS, load_referen
 VARIANTS = {
     **{v: TINY_VARIANTS[v] for v in ("qwen3", "phi3")}, "phi3-longrope": PHI3_LONGROPE,
     # Gemma 3: the 6th of 7 layers global (llama.cpp's fixed pattern of 6, so the GGUF agrees); a
-    # window of 64, which caps the context (no windowed attention yet)
-    "gemma3": dict(model_type="gemma3_text", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32, num_layers=7),
+    # window of 8, which the 11-token prompt already passes, so every test here runs the local
+    # layers within their window (attention/sliding_window.py)
+    "gemma3": dict(model_type="gemma3_text", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32, num_layers=7,
+                   sliding_window=8),
+    # Mistral v0.1: every layer within a window (8 here)
+    "mistral-window": dict(model_type="mistral", num_heads=4, num_kv_heads=2, sliding_window=8),
 }
 ARCHITECTURES = list(VARIANTS)
-HF_ONLY: set[str] = set()
+# llama.cpp writes Mistral as `llama`, without its window: no GGUF of a windowed Mistral exists
+HF_ONLY: set[str] = {"mistral-window"}
 SOURCES = [pytest.param(v, s, id=f"{v}-{s}") for v in ARCHITECTURES for s in ("hf", "gguf") if s == "hf" or v not in HF_ONLY]
 # served within the original context, LongRoPE takes the short factors, as transformers does
 # for a sequence that short (tests/model/test_rope_scaling.py checks the long ones)
@@ -155,11 +161,14 @@ def test_fused_weights_of_a_quantized_gguf_are_cut_in_their_packed_format(model_
     assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0) > 0.99
 
 
-def test_gemma3_at_tp_2_equals_one_process(model_dirs):
-    """Its extra norms act on the AllReduced branch outputs, whole on every rank, and each layer
-    kind's RoPE table is every rank's (Qwen3 and Phi-3: tests/distributed/test_tensor_parallel.py)."""
+@pytest.mark.parametrize("kv_layout", ["heads", "requests"])
+def test_gemma3_at_tp_2_equals_one_process(model_dirs, kv_layout):
+    """Its extra norms act on the AllReduced branch outputs, whole on every rank, each layer
+    kind's RoPE table is every rank's, and the local layers keep their window (the prompts pass
+    it) with the KV split by heads or held by whole requests (Qwen3 and Phi-3:
+    tests/distributed/test_tensor_parallel.py)."""
     from tests.support.tensor_parallel import greedy_tokens
 
     expected, _ = greedy_tokens(model_dirs["gemma3"], 1)
-    got, engine = greedy_tokens(model_dirs["gemma3"], 2)
-    assert got == expected and engine.shard.world == 2
+    got, engine = greedy_tokens(model_dirs["gemma3"], 2, kv_layout=kv_layout)
+    assert got == expected and engine.shard.world == 2 and engine.requests_layout == (kv_layout == "requests")

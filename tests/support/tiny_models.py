@@ -66,7 +66,7 @@ def make_tiny_model(
     `head_dim`: Qwen3's own (its config names it; hidden_size / num_heads otherwise);
     `rope_parameters`: a Llama's or Phi-3's RoPE scaling, as transformers' config takes it;
     `partial_rotary_factor`, `original_max_position_embeddings`: Phi-3's; `sliding_window`,
-    `sliding_window_pattern`: Gemma 3's."""
+    `sliding_window_pattern`: Gemma 3's (the window also Mistral's)."""
     from transformers import (
         LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
         Qwen3ForCausalLM,
@@ -113,6 +113,10 @@ def make_tiny_model(
             for name, p in model.named_parameters():
                 if p.dim() == 1 and "norm" in name:
                     p.normal_(0.0, 0.3)
+    elif model_type == "mistral":  # every layer within `sliding_window` (Mistral v0.1)
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(rope_theta=10000.0, sliding_window=sliding_window, **common))
     elif model_type == "phi3":  # Q/K/V and gate/up stored fused; partial rotary, LongRoPE where given
         rope = {"rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor, **(rope_parameters or {})}
         model = Phi3ForCausalLM(Phi3Config(
