@@ -21,7 +21,7 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
@@ -144,6 +144,9 @@ class ModelArchitecture:
     rope_local_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None
+    # Gemma 2: attention scores and the final logits soft-capped, x -> cap · tanh(x / cap)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -197,6 +200,7 @@ class ModelArchitecture:
             ("norms after attention and the MLP", self.sandwich_norms), (f"a {self.hidden_act} MLP", self.hidden_act != "silu"),
             ("local and global RoPE bases", self.rope_local_theta is not None),
             ("scaled embeddings", self.embedding_scale != 1.0),
+            ("soft-capped attention scores", self.attn_logit_softcapping is not None),
         ) if differs]  # fmt: skip
         return ", ".join(parts) or None
 
@@ -275,8 +279,8 @@ class ModelArchitecture:
         hidden = config["hidden_size"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        gemma3 = model_type == "gemma3_text"
-        window = config.get("sliding_window") if config.get("use_sliding_window", model_type in ("mistral", "gemma3_text")) else None
+        gemma = model_type in ("gemma2", "gemma3_text")
+        window = config.get("sliding_window") if config.get("use_sliding_window", model_type in ("mistral", "gemma2", "gemma3_text")) else None
         layer_types = _layer_types(config, model_type, window)
         arch = cls(
             architecture=model_type,
@@ -299,7 +303,7 @@ class ModelArchitecture:
             rope_scaling=_rope_scaling(config),
             sliding_window=window,
             layer_types=layer_types,
-            **(_gemma3_fields(config, hidden) if gemma3 else {}),
+            **(_gemma_fields(config, model_type, hidden) if gemma else {}),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -326,26 +330,35 @@ def read_hf_config(path: str | Path, *, require_supported: bool = True) -> Model
         raise ModelLoadError(f"{config_path}: missing field {exc.args[0]!r}") from exc
 
 
-def gemma3_layer_types(num_layers: int, every: int = 6) -> tuple[str, ...]:
+def gemma_layer_types(num_layers: int, every: int = 6) -> tuple[str, ...]:
     """Gemma 3's layer kinds: every `every`-th layer global, the others local (transformers'
     sliding_window_pattern, which llama.cpp fixes at 6)."""
     return tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(num_layers))
 
 
-def _gemma3_fields(config: dict[str, Any], hidden: int) -> dict[str, Any]:
-    """Gemma 3's options of the shared decoder (transformers' Gemma3TextConfig)."""
+def _gemma_fields(config: dict[str, Any], model_type: str, hidden: int) -> dict[str, Any]:
+    """Gemma 2's and 3's options of the shared decoder (transformers' Gemma2Config and
+    Gemma3TextConfig): Gemma 2 soft-caps its attention scores and final logits and turns every
+    layer with one RoPE base; Gemma 3 has q/k norms instead, and its local layers their own base."""
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise UnsupportedModelError(f"unsupported Gemma 3 hidden_activation {act!r} (kvserve runs gelu_pytorch_tanh)")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(key):
-            raise UnsupportedModelError(f"unsupported: {key}={config[key]} (logit soft-capping is not implemented)")
-    per_type = config.get("rope_parameters") or {}
-    local = (per_type.get("sliding_attention") or {}).get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
-    return dict(
+        raise UnsupportedModelError(f"unsupported Gemma hidden_activation {act!r} (kvserve runs gelu_pytorch_tanh)")
+    fields: dict[str, Any] = dict(
         norm_weight_offset=1.0, embedding_scale=float(hidden) ** 0.5, sandwich_norms=True, hidden_act="gelu_tanh",
-        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256), rope_local_theta=float(local),
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
+        attn_logit_softcapping=_positive_or_none(config.get("attn_logit_softcapping")),
+        final_logit_softcapping=_positive_or_none(config.get("final_logit_softcapping")),
     )  # fmt: skip
+    if model_type == "gemma3_text":
+        per_type = config.get("rope_parameters") or {}
+        local = (per_type.get("sliding_attention") or {}).get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
+        fields["rope_local_theta"] = float(local)
+    return fields
+
+
+def _positive_or_none(value: Any) -> float | None:
+    """A soft-capping value as configs write it: a positive float, or null / 0 for none."""
+    return float(value) if value else None
 
 
 def _layer_types(config: dict[str, Any], model_type: str, window: int | None) -> tuple[str, ...]:
@@ -358,7 +371,9 @@ def _layer_types(config: dict[str, Any], model_type: str, window: int | None) ->
         return tuple(config["layer_types"])
     layers = config["num_hidden_layers"]
     if model_type == "gemma3_text":
-        return gemma3_layer_types(layers, int(config.get("sliding_window_pattern") or 6))
+        return gemma_layer_types(layers, int(config.get("sliding_window_pattern") or 6))
+    if model_type == "gemma2":  # the even layers local, the odd ones global
+        return gemma_layer_types(layers, 2)
     if model_type == "qwen2":
         first = int(config.get("max_window_layers", 28))
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))

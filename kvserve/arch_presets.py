@@ -7,7 +7,7 @@ epsilon, context); tools/make_model.py writes them into its files as the real mo
 
 from __future__ import annotations
 
-from kvserve.arch import ModelArchitecture, RopeScaling, gemma3_layer_types
+from kvserve.arch import ModelArchitecture, RopeScaling, gemma_layer_types
 
 
 def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, vocab: int, tied: bool,
@@ -30,7 +30,17 @@ def _gemma3(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_
     return ModelArchitecture(
         "gemma3_text", vocab, hidden, ffn, layers, heads, kv_heads, head_dim, 1e-6, 1_000_000.0, context, True,
         qk_norm=True, norm_weight_offset=1.0, embedding_scale=hidden**0.5, sandwich_norms=True, hidden_act="gelu_tanh",
-        query_pre_attn_scalar=float(head_dim), layer_types=gemma3_layer_types(layers), rope_local_theta=10000.0, sliding_window=window,
+        query_pre_attn_scalar=float(head_dim), layer_types=gemma_layer_types(layers), rope_local_theta=10000.0, sliding_window=window,
+    )  # fmt: skip
+
+
+def _gemma2(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, context: int,
+            window: int) -> ModelArchitecture:  # fmt: skip
+    return ModelArchitecture(
+        "gemma2", 256000, hidden, ffn, layers, heads, kv_heads, head_dim, 1e-6, 10000.0, context, True,
+        norm_weight_offset=1.0, embedding_scale=hidden**0.5, sandwich_norms=True, hidden_act="gelu_tanh",
+        query_pre_attn_scalar=float(head_dim), layer_types=gemma_layer_types(layers, 2), sliding_window=window,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
     )  # fmt: skip
 
 
@@ -44,6 +54,7 @@ PRESETS: dict[str, ModelArchitecture] = {
     "llama-3.1-8b": _LLAMA_3_8B,
     "qwen3-1.7b": _qwen3(28, 2048, 6144, 16, 8, 151936, True, 40960),
     "gemma-3-1b": _gemma3(26, 1152, 6912, 4, 1, 256, 262144, 32768, 512),
+    "gemma-2-2b": _gemma2(26, 2304, 9216, 8, 4, 256, 8192, 4096),
     # every tensor kind (an untied LM head too), every row a whole number of 256-weight super-blocks
     "tiny": _llama(2, 256, 512, 4, 2, 64, 49152, False, 10000.0, 8192),
 }
@@ -56,5 +67,6 @@ NOTES: dict[str, str] = {
     "llama-3.1-8b": "Llama-3.1-8B",
     "qwen3-1.7b": "Qwen3-1.7B (tied embeddings; head_dim 128, per-head q/k RMSNorm)",
     "gemma-3-1b": "Gemma-3-1B text (tied embeddings; head_dim 256; 5 of every 6 layers local, window 512)",
+    "gemma-2-2b": "Gemma-2-2B (tied embeddings; head_dim 256; every other layer local, window 4096; soft-capped scores and logits)",
     "tiny": "two layers of hidden 256, the test shape of tools/make_model.py",
 }

@@ -5,7 +5,7 @@ writes a model of a named shape (the shared presets, `kvserve.arch_presets`) wit
 weights and the SmolLM2 vocabulary (the tokenizer metadata of the default model's GGUF,
 copied field by field, so the engine's tokenizer, chat template and stop tokens work), as
 
-- a GGUF (`gguf.GGUFWriter`, arch `llama`, `qwen3` or `gemma3` as llama.cpp names them) in
+- a GGUF (`gguf.GGUFWriter`, arch `llama`, `qwen3`, `gemma2` or `gemma3` as llama.cpp names them) in
   a float type (`f16`, `bf16`) or a block quantization (`q8_0`, `q4_0`, `q4_1`, `q4_k`,
   `q5_k`, `q6_k`, `q4_k_m`), or
 - a Hugging Face directory (`hf-bf16`; Llama and Qwen3 shapes): config.json,
@@ -118,7 +118,7 @@ def _tensors(s: ModelArchitecture) -> list[tuple[str, str | None, tuple[int, ...
              ("ffn_gate", "mlp.gate_proj", (F, D)), ("ffn_up", "mlp.up_proj", (F, D)), ("ffn_down", "mlp.down_proj", (D, F))]  # fmt: skip
     if s.qk_norm:  # Qwen3, Gemma 3: one RMSNorm weight of head_dim for the q heads, one for the k heads
         layer[4:4] = [("attn_q_norm", "self_attn.q_norm", (s.head_dim,)), ("attn_k_norm", "self_attn.k_norm", (s.head_dim,))]
-    if s.sandwich_norms:  # Gemma 3: a norm after each branch; ffn_norm is its pre-feedforward one
+    if s.sandwich_norms:  # Gemma 2 and 3: a norm after each branch; ffn_norm is its pre-feedforward one
         at = [g for g, _, _ in layer].index("ffn_norm")
         layer[at] = ("ffn_norm", "pre_feedforward_layernorm", (D,))
         layer.insert(at, ("post_attention_norm", "post_attention_layernorm", (D,)))
@@ -278,6 +278,9 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
     if shape.sliding_window:
         w.add_uint32(f"{a}.attention.sliding_window", shape.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2
+        if getattr(shape, key):
+            w.add_float32(f"{a}.{key}", getattr(shape, key))
     w.add_uint32("general.file_type", _FILE_TYPES[fmt])
     if fmt not in ("f16", "bf16"):
         w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)

@@ -12,12 +12,16 @@ import torch
 
 def attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [..., M, H] over k, v [..., S, H], computed explicitly in fp32:
     scores, their log-sum-exp, softmax @ V. `mask` (bool, True = visible) broadcasts to
-    [..., M, S]. Returns (out [..., M, H] fp32, lse [..., M] fp32); a row that sees nothing
-    (S = 0 or all masked) has out 0 and lse -inf, the merge's identity."""
+    [..., M, S]; `softcap` (Gemma 2) caps the scores, cap · tanh(s / cap), before the softmax.
+    Returns (out [..., M, H] fp32, lse [..., M] fp32); a row that sees nothing (S = 0 or all
+    masked) has out 0 and lse -inf, the merge's identity."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)

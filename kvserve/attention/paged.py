@@ -33,7 +33,7 @@ def shared_prefix_decode_attention_kernels(
 def paged_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float,
     decode_ops=None, prefill_ops=None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, N_q, H] for the flat batch (decodes first) → [T, N_q, H].
 
@@ -47,10 +47,12 @@ def paged_attention(
     pools), else on the reference path. `meta.row_tables` (--deterministic)
     runs every row, decode or prompt, through the decode kernel. A layer with a sliding
     `window` that some row of the step sees past runs within it (attention/sliding_window.py).
+    `softcap` (Gemma 2's soft-capped scores) runs on the reference path only: KernelSupport
+    keeps both attention kernels off for such a model.
     """
     rows = meta.windowed.get(window) if window is not None else None
     if rows is not None:
-        return windowed_attention(q, k_pool, v_pool, meta, rows, scale, decode_ops, k_scale, v_scale)
+        return windowed_attention(q, k_pool, v_pool, meta, rows, scale, decode_ops, k_scale, v_scale, softcap)
     if meta.row_tables is not None and decode_ops is not None:  # --deterministic: one kernel for every row
         tables, lens = meta.row_tables
         return decode_ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, k_scale, v_scale)
@@ -79,14 +81,16 @@ def paged_attention(
             )  # fmt: skip
         elif plan is not None:  # shared prefixes read once per group, on the reference path
             out[: meta.num_decodes] = shared_prefix_decode_attention(
-                q[: meta.num_decodes], k_pool, v_pool, plan, scale, k_scale, v_scale
+                q[: meta.num_decodes], k_pool, v_pool, plan, scale, k_scale, v_scale, softcap
             )
         else:
-            out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale, k_scale, v_scale)
+            out[: meta.num_decodes] = decode_attention(
+                q[: meta.num_decodes], k_pool, v_pool, meta, scale, k_scale, v_scale, softcap
+            )
     if meta.prefills:
         if prefill_ops is not None:
             slots, segments, shared = meta.prefill_kernel_args()
             prefill_ops.paged_prefill_attention(q, k_pool, v_pool, slots, segments, scale, out, k_scale, v_scale, shared)
         else:
-            prefill_attention(q, k_pool, v_pool, meta, scale, out, k_scale, v_scale)
+            prefill_attention(q, k_pool, v_pool, meta, scale, out, k_scale, v_scale, softcap)
     return out

@@ -17,17 +17,37 @@ from kvserve.attention.merge import attention_with_lse, merge_attention_states
 from kvserve.attention.metadata import AttentionMetadata, SharedPrefixTensors
 
 
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    is_causal: bool = False, softcap: float | None = None,
+) -> torch.Tensor:
+    """torch's scaled_dot_product_attention; with `softcap` (Gemma 2's attention-logit soft-capping,
+    which SDPA has no form of), written out as transformers' eager path computes it: scores
+    · scale, capped to cap · tanh(s / cap), masked (a bool mask, or an additive bias), softmax
+    in fp32, then · V. q [..., M, H], k and v [..., S, H] → [..., M, H] in q's dtype."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:  # the last M of S positions: query i sees keys up to S - M + i
+        m, n = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [B, N_q, H], one new position per request → [B, N_q, H]."""
-    return attend_rows(q, k_pool, v_pool, meta.decode_slots, meta.decode_mask, scale, k_scale, v_scale)
+    return attend_rows(q, k_pool, v_pool, meta.decode_slots, meta.decode_mask, scale, k_scale, v_scale, softcap)
 
 
 def attend_rows(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Each row of q ([B, N_q, H]) over the positions at its row of `slots` ([B, S]) that its
     row of `mask` ([B, 1, 1, S], True = visible) shows → [B, N_q, H]."""
@@ -37,13 +57,13 @@ def attend_rows(
     k = gather(k_pool, slots, k_scale, q.dtype).permute(0, 2, 1, 3)  # [B, N_kv, S, H]
     v = gather(v_pool, slots, v_scale, q.dtype).permute(0, 2, 1, 3)
     qg = q.reshape(batch, num_kv_heads, g, head_dim)  # g query heads of a KV head as g "rows"
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out = sdpa(qg, k, v, scale, mask, softcap=softcap)
     return out.reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, softcap: float | None = None,
 ) -> None:
     """Each segment's m queries attend to its S0 cached + m new positions (rectangular mask).
 
@@ -63,7 +83,7 @@ def prefill_attention(
         if g > 1:
             k = k.repeat_interleave(g, dim=1)
             v = v.repeat_interleave(g, dim=1)
-        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
+        o = sdpa(qs, k, v, scale, is_causal=True, softcap=softcap)
         out[rows] = o.transpose(1, 2).reshape(n * m, num_heads, head_dim)
     # a shared cached prefix (meta.prefill_sharing) is gathered once, by its leader, and each
     # member gathers only its positions after it: the same K/V values, so the same result
@@ -91,16 +111,16 @@ def prefill_attention(
             k = k.repeat_interleave(g, dim=0)
             v = v.repeat_interleave(g, dim=0)
         if seg.num_cached == 0:
-            o = F.scaled_dot_product_attention(qs, k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=scale)
+            o = sdpa(qs, k.unsqueeze(0), v.unsqueeze(0), scale, is_causal=True, softcap=softcap)
         else:
             bias = seg.attn_bias if seg.attn_bias.dtype == q.dtype else seg.attn_bias.to(q.dtype)
-            o = F.scaled_dot_product_attention(qs, k.unsqueeze(0), v.unsqueeze(0), attn_mask=bias, scale=scale)
+            o = sdpa(qs, k.unsqueeze(0), v.unsqueeze(0), scale, bias, softcap=softcap)
         out[seg.query_start : seg.query_start + m] = o[0].transpose(0, 1)
 
 
 def shared_prefix_decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, shared: SharedPrefixTensors, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [B, N_q, H], one new position per decode row → [B, N_q, H] in q's dtype.
 
@@ -115,13 +135,13 @@ def shared_prefix_decode_attention(
     # the suffixes, every row: [B, N_kv, g, H] and lse [B, N_kv, g]
     k = gather(k_pool, shared.suffix_slots, k_scale, q.dtype).permute(0, 2, 1, 3)  # [B, N_kv, Ls, H]
     v = gather(v_pool, shared.suffix_slots, v_scale, q.dtype).permute(0, 2, 1, 3)
-    acc_out, acc_lse = attention_with_lse(qg, k, v, scale, shared.suffix_mask)
+    acc_out, acc_lse = attention_with_lse(qg, k, v, scale, shared.suffix_mask, softcap)
     for slots, idx in zip(shared.level_slots, shared.level_members):
         n = idx.numel()
         ks = gather(k_pool, slots, k_scale, q.dtype).transpose(0, 1)  # [N_kv, S, H], read once for n rows
         vs = gather(v_pool, slots, v_scale, q.dtype).transpose(0, 1)
         qs = qg.index_select(0, idx).permute(1, 0, 2, 3).reshape(num_kv_heads, n * g, head_dim)
-        o, lse = attention_with_lse(qs, ks, vs, scale)  # non-causal: all shared positions visible
+        o, lse = attention_with_lse(qs, ks, vs, scale, softcap=softcap)  # non-causal: all shared positions visible
         o = o.view(num_kv_heads, n, g, head_dim).permute(1, 0, 2, 3)
         lse = lse.view(num_kv_heads, n, g).permute(1, 0, 2)
         merged, merged_lse = merge_attention_states(acc_out.index_select(0, idx), acc_lse.index_select(0, idx), o, lse)

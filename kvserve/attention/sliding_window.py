@@ -29,7 +29,7 @@ import torch
 
 from kvserve.attention.kv_pool import gather
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.reference import attend_rows
+from kvserve.attention.reference import attend_rows, sdpa
 
 QUERY_TILE = 256  # the reference path's prompt queries per SDPA call
 
@@ -79,6 +79,7 @@ class WindowedRows:
 def windowed_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, rows: WindowedRows,
     scale: float, decode_ops=None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, N_q, H], the step's rows → [T, N_q, H] in q's dtype, each row within the window."""
     if rows.on_kernels and decode_ops is not None:
@@ -89,14 +90,14 @@ def windowed_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if meta.num_decodes:
         out[: meta.num_decodes] = attend_rows(
-            q[: meta.num_decodes], k_pool, v_pool, rows.decode_slots, rows.decode_mask, scale, k_scale, v_scale
+            q[: meta.num_decodes], k_pool, v_pool, rows.decode_slots, rows.decode_mask, scale, k_scale, v_scale, softcap
         )
     for seg in meta.prefills:
-        _windowed_segment(q, k_pool, v_pool, seg, rows.window, scale, out, k_scale, v_scale)
+        _windowed_segment(q, k_pool, v_pool, seg, rows.window, scale, out, k_scale, v_scale, softcap)
     return out
 
 
-def _windowed_segment(q, k_pool, v_pool, seg, window: int, scale: float, out, k_scale, v_scale) -> None:
+def _windowed_segment(q, k_pool, v_pool, seg, window: int, scale: float, out, k_scale, v_scale, softcap) -> None:
     """A prompt chunk's m queries (positions S0 .. S0 + m - 1) in tiles, each tile over the keys
     its rows see, [first row's position - W + 1, last row's position], masked per row."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -117,5 +118,5 @@ def _windowed_segment(q, k_pool, v_pool, seg, window: int, scale: float, out, k_
         visible = (keys <= pos) & (keys > pos - window)
         rows = slice(seg.query_start + a, seg.query_start + b)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, N_q, tile, H]
-        o = torch.nn.functional.scaled_dot_product_attention(qs, k.unsqueeze(0), v.unsqueeze(0), attn_mask=visible, scale=scale)
+        o = sdpa(qs, k.unsqueeze(0), v.unsqueeze(0), scale, visible, softcap=softcap)
         out[rows] = o[0].transpose(0, 1).reshape(b - a, num_heads, head_dim)

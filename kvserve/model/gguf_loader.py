@@ -53,13 +53,14 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 # llama.cpp's Phi-3 tensors: Q, K and V in one, and ffn_up holding gate and up (2·F rows)
 _ARCH_LAYER_TENSORS = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
-    # Gemma 3's four norms: ffn_norm is the one before the MLP, the other two follow each branch
+    # Gemma 2's and 3's four norms: ffn_norm is the one before the MLP, the other two follow each branch
     "gemma3_text": {
         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
 }
+_ARCH_LAYER_TENSORS["gemma2"] = _ARCH_LAYER_TENSORS["gemma3_text"]
 
 
 def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:

@@ -50,6 +50,7 @@ class LlamaAttention(nn.Module):
     ):
         super().__init__()
         self.window = window  # a sliding window's width, None for full attention (attention/sliding_window.py)
+        self.softcap = arch.attn_logit_softcapping  # Gemma 2: scores capped before the softmax (torch only)
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -100,7 +101,7 @@ class LlamaAttention(nn.Module):
         q = self.rope_and_cache(qkv, rope, meta, num_heads, num_kv_heads)
         out = paged_attention(
             q, self.k_pool, self.v_pool, meta, self.scale, self.decode_ops, self.prefill_ops, self.k_scale, self.v_scale,
-            self.window,
+            self.window, self.softcap,
         )
         return out.reshape(tokens, num_heads * self.head_dim)
 
@@ -425,12 +426,17 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.norm(hidden))
         if self.tp is not None:
             logits = self.tp.all_gather_last(logits, self.vocab_sizes)
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap · tanh(logits / cap), in fp32 as transformers computes it
+            logits = (torch.tanh(logits.float() / cap) * cap).to(logits.dtype)
         return logits
 
     def greedy_tokens(self, hidden: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`argmax` of compute_logits(hidden), taken inside the LM head where its method can
         (no logits written; bitwise the same result)."""
-        if self.tp is not None:  # the argmax needs every share: the gathered logits
+        # the argmax needs every share (the gathered logits), or the capped logits (a monotone cap,
+        # but one that ties values it saturates, as transformers' argmax then sees them)
+        if self.tp is not None or self.arch.final_logit_softcapping is not None:
             return argmax(self.compute_logits(hidden))
         normed = self.norm(hidden)
         ids = self.lm_head.argmax(normed)

@@ -30,11 +30,14 @@ SHAPES = {
     # head; a window of 8, which the prompt passes (the local layer within it, on torch)
     "gemma3-hd256": dict(model_type="gemma3_text", num_heads=2, num_kv_heads=1, hidden_size=256, head_dim=256, num_layers=2,
                          sliding_window=8),
+    # Gemma 2's soft-capped scores (attention on torch, the rest on the kernels), its even layer local
+    "gemma2-softcap": dict(model_type="gemma2", num_heads=4, num_kv_heads=2, hidden_size=256, head_dim=64, num_layers=2,
+                           sliding_window=8),
     # Mistral v0.1's window (8 here, past the prompt): every row on the decode kernel's ranged form
     "mistral-window": dict(model_type="mistral", num_heads=4, num_kv_heads=2, hidden_size=256, sliding_window=8),
 }
 PARTIAL = {"phi4-partial"}
-NOT_FUSED = PARTIAL | {"gemma3-hd256"}  # the fused step runs Llama's layer with full rotary only
+NOT_FUSED = PARTIAL | {"gemma3-hd256", "gemma2-softcap"}  # the fused step runs Llama's layer with full rotary only
 WINDOWED = {"mistral-window"}  # its steps all see past the window, so none takes the fused step
 PROMPT = "What is the capital of France? The capital"
 STEPS = 4
@@ -75,7 +78,8 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
     k = engine.model.kernels
     assert k.level == (kernel_level or k.level), k.describe()
     assert k.qk_norm.enabled == engine.arch.qk_norm, k.describe()
-    assert k.decode_attention.enabled == (engine.arch.head_dim <= ops.limits()["decode_attention_max_head_dim"]), k.describe()
+    attention_kernels = engine.arch.head_dim <= ops.limits()["decode_attention_max_head_dim"] and not engine.arch.attn_logit_softcapping
+    assert k.decode_attention.enabled == attention_kernels, k.describe()
     assert k.fused_decode.enabled == (shape not in NOT_FUSED), k.describe()
     if shape in PARTIAL:
         assert "partial rotary (96 of head_dim 128 turned)" in k.rope_and_cache.reason

@@ -1,6 +1,6 @@
 """Each architecture beyond Llama, Mistral and Qwen2 (Qwen3; Phi-3 with fused QKV and gate/up
-weights, and with Phi-4-mini's partial rotary and LongRoPE; Gemma 3), and Mistral's sliding
-window, against transformers on the same weights
+weights, and with Phi-4-mini's partial rotary and LongRoPE; Gemma 2 with its soft-capping;
+Gemma 3), and Mistral's sliding window, against transformers on the same weights
 (tiny random models from transformers' own config classes, tests/support/tiny_models.py),
 from its HF directory and from a GGUF of it: logits in fp32 to 1e-4 after the prefill and
 each decode step, and 32 greedy tokens; chunked prefill, prefix hits and preemption change no
@@ -30,6 +30,10 @@ VARIANTS = {
     # window of 8, which the 11-token prompt already passes, so every test here runs the local
     # layers within their window (attention/sliding_window.py)
     "gemma3": dict(model_type="gemma3_text", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32, num_layers=7,
+                   sliding_window=8),
+    # Gemma 2: the even layers local (window 8, which the prompt passes), scores and final logits
+    # soft-capped (at 5 and 3 here, low enough to bite on these weights)
+    "gemma2": dict(model_type="gemma2", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32, num_layers=3,
                    sliding_window=8),
     # Mistral v0.1: every layer within a window (8 here)
     "mistral-window": dict(model_type="mistral", num_heads=4, num_kv_heads=2, sliding_window=8),
@@ -142,6 +146,9 @@ def test_gguf_tensors_read_as_the_gguf_package_reads_them(ggufs, variant):
     assert any(n.endswith("qkv_proj.weight") for n in names) == (arch.architecture == "phi3")
     if arch.architecture == "gemma3_text":  # llama.cpp's pattern: every 6th layer global
         assert arch.layer_types == tuple("full_attention" if i == 5 else "sliding_attention" for i in range(7))
+    if arch.architecture == "gemma2":  # every other layer global; the caps from the file
+        assert arch.layer_windows == (8, None, 8)
+        assert (arch.attn_logit_softcapping, arch.final_logit_softcapping) == (5.0, 3.0)
 
 
 def test_fused_weights_of_a_quantized_gguf_are_cut_in_their_packed_format(model_dirs, tmp_path):
@@ -161,14 +168,14 @@ def test_fused_weights_of_a_quantized_gguf_are_cut_in_their_packed_format(model_
     assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0) > 0.99
 
 
-@pytest.mark.parametrize("kv_layout", ["heads", "requests"])
-def test_gemma3_at_tp_2_equals_one_process(model_dirs, kv_layout):
+@pytest.mark.parametrize("variant, kv_layout", [("gemma3", "heads"), ("gemma3", "requests"), ("gemma2", "heads")])
+def test_gemma_at_tp_2_equals_one_process(model_dirs, variant, kv_layout):
     """Its extra norms act on the AllReduced branch outputs, whole on every rank, each layer
     kind's RoPE table is every rank's, and the local layers keep their window (the prompts pass
     it) with the KV split by heads or held by whole requests (Qwen3 and Phi-3:
     tests/distributed/test_tensor_parallel.py)."""
     from tests.support.tensor_parallel import greedy_tokens
 
-    expected, _ = greedy_tokens(model_dirs["gemma3"], 1)
-    got, engine = greedy_tokens(model_dirs["gemma3"], 2, kv_layout=kv_layout)
+    expected, _ = greedy_tokens(model_dirs[variant], 1)
+    got, engine = greedy_tokens(model_dirs[variant], 2, kv_layout=kv_layout)
     assert got == expected and engine.shard.world == 2 and engine.requests_layout == (kv_layout == "requests")

@@ -37,6 +37,8 @@ _ARCH_NAMES = {
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
 }  # fmt: skip
+_ARCH_NAMES["gemma2"] = _ARCH_NAMES["gemma3"]
+GEMMA = ("gemma2", "gemma3")
 
 
 def write_gguf(
@@ -46,7 +48,7 @@ def write_gguf(
     import gguf
 
     def add(name: str, t: np.ndarray) -> None:
-        if architecture == "gemma3" and name.endswith("norm.weight"):
+        if architecture in GEMMA and name.endswith("norm.weight"):
             t = t + np.float32(1.0)  # llama.cpp's converter stores Gemma's norms as the 1 + w they apply
         if quant_type and name.endswith(".weight") and t.ndim == 2 and "norm" not in name:
             qtype = gguf.GGMLQuantizationType[quant_type]
@@ -74,8 +76,11 @@ def write_gguf(
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     w.add_uint32(f"{a}.rope.dimension_count", int(head_dim * partial))
-    if architecture == "gemma3" and config.get("sliding_window"):
+    if architecture in GEMMA and config.get("sliding_window"):
         w.add_uint32(f"{a}.attention.sliding_window", config["sliding_window"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if architecture == "gemma2" and config.get(key):
+            w.add_float32(f"{a}.{key}", config[key])
     if rope.get("rope_type") == "longrope":  # the factors as tensors, as llama.cpp's converter writes them
         w.add_uint32(f"{a}.rope.scaling.original_context_length", config["original_max_position_embeddings"])
     if head_dim != config["hidden_size"] // n_heads:  # as llama.cpp's converter: only where it differs
@@ -93,7 +98,7 @@ def write_gguf(
     w.add_token_types([3 if t in added else 1 for t in tokens])
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_token_merges(merges)
-    if architecture == "gemma3":  # transformers builds a Gemma GGUF's tokenizer with an unknown token
+    if architecture in GEMMA:  # transformers builds a Gemma GGUF's tokenizer with an unknown token
         w.add_unk_token_id(tokens.index("<|endoftext|>"))
     w.add_bos_token_id(config["bos_token_id"])
     w.add_eos_token_id(config["eos_token_id"])

@@ -113,6 +113,18 @@ def make_tiny_model(
             for name, p in model.named_parameters():
                 if p.dim() == 1 and "norm" in name:
                     p.normal_(0.0, 0.3)
+    elif model_type == "gemma2":  # even layers local; soft-caps low enough to bite on these weights
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        model = Gemma2ForCausalLM(Gemma2Config(
+            head_dim=head_dim or hidden_size // num_heads, sliding_window=sliding_window,
+            query_pre_attn_scalar=head_dim or hidden_size // num_heads, attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0, pad_token_id=tokenizer.eos_token_id, **common,
+        ))  # fmt: skip
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and "norm" in name:
+                    p.normal_(0.0, 0.3)
     elif model_type == "mistral":  # every layer within `sliding_window` (Mistral v0.1)
         from transformers import MistralConfig, MistralForCausalLM
 
