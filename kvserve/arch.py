@@ -1,7 +1,8 @@
-"""The shape of a Llama-family model: everything the forward pass and the KV cache need.
+"""The shape of a decoder kvserve runs: everything the forward pass and the KV cache need.
 
-One dataclass for Llama, Mistral, Qwen2, Qwen3 and Phi-3 (which differ in QKV bias, per-head
-q/k RMSNorm, partial rotary, RoPE theta and scaling, and sliding window); read from an HF
+One dataclass for every family (model/families/: Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3),
+which differ in named options (QKV bias, per-head q/k RMSNorm, partial rotary, RoPE theta and
+scaling, sliding windows, Gemma's norms, activation and soft-capping); read from an HF
 `config.json` here (`read_hf_config`) or from GGUF metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.arch_presets`. Torch-free:
 the planner, the simulator and tools/make_model.py describe models with it too.
 
@@ -21,12 +22,10 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+from kvserve.model.families import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401 (re-exported)
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
-
-# model types whose attention normalises each q and k head (Qwen3Attention's q_norm / k_norm)
-_QK_NORM_TYPES = ("qwen3", "gemma3_text")
 
 # Read first, in this order, so a missing one is named the same way every time.
 _REQUIRED_HF_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -279,9 +278,12 @@ class ModelArchitecture:
         hidden = config["hidden_size"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        gemma = model_type in ("gemma2", "gemma3_text")
-        window = config.get("sliding_window") if config.get("use_sliding_window", model_type in ("mistral", "gemma2", "gemma3_text")) else None
-        layer_types = _layer_types(config, model_type, window)
+        # the family's own fields (model/families/): bias, q/k norms, windows, Gemma's options;
+        # a config of a type no family reads (the planner's) is read as a Llama
+        options = family_of(model_type).hf_options(config, model_type) if model_type in SUPPORTED_ARCHITECTURES else {}
+        options.setdefault("attention_bias", bool(config.get("attention_bias", False)))
+        if options.get("sliding_window") is not None and config.get("layer_types"):
+            options.setdefault("layer_types", tuple(config["layer_types"]))
         arch = cls(
             architecture=model_type,
             vocab_size=config["vocab_size"],
@@ -295,15 +297,11 @@ class ModelArchitecture:
             rope_theta=_rope_theta(config),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=model_type in _QK_NORM_TYPES,
             partial_rotary_factor=float(
                 config.get("partial_rotary_factor") or _rope_params(config).get("partial_rotary_factor") or 1.0
             ),
             rope_scaling=_rope_scaling(config),
-            sliding_window=window,
-            layer_types=layer_types,
-            **(_gemma_fields(config, model_type, hidden) if gemma else {}),
+            **options,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -328,56 +326,6 @@ def read_hf_config(path: str | Path, *, require_supported: bool = True) -> Model
         return ModelArchitecture.from_hf_config(config, require_supported=require_supported)
     except KeyError as exc:
         raise ModelLoadError(f"{config_path}: missing field {exc.args[0]!r}") from exc
-
-
-def gemma_layer_types(num_layers: int, every: int = 6) -> tuple[str, ...]:
-    """Gemma 3's layer kinds: every `every`-th layer global, the others local (transformers'
-    sliding_window_pattern, which llama.cpp fixes at 6)."""
-    return tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(num_layers))
-
-
-def _gemma_fields(config: dict[str, Any], model_type: str, hidden: int) -> dict[str, Any]:
-    """Gemma 2's and 3's options of the shared decoder (transformers' Gemma2Config and
-    Gemma3TextConfig): Gemma 2 soft-caps its attention scores and final logits and turns every
-    layer with one RoPE base; Gemma 3 has q/k norms instead, and its local layers their own base."""
-    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise UnsupportedModelError(f"unsupported Gemma hidden_activation {act!r} (kvserve runs gelu_pytorch_tanh)")
-    fields: dict[str, Any] = dict(
-        norm_weight_offset=1.0, embedding_scale=float(hidden) ** 0.5, sandwich_norms=True, hidden_act="gelu_tanh",
-        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
-        attn_logit_softcapping=_positive_or_none(config.get("attn_logit_softcapping")),
-        final_logit_softcapping=_positive_or_none(config.get("final_logit_softcapping")),
-    )  # fmt: skip
-    if model_type == "gemma3_text":
-        per_type = config.get("rope_parameters") or {}
-        local = (per_type.get("sliding_attention") or {}).get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
-        fields["rope_local_theta"] = float(local)
-    return fields
-
-
-def _positive_or_none(value: Any) -> float | None:
-    """A soft-capping value as configs write it: a positive float, or null / 0 for none."""
-    return float(value) if value else None
-
-
-def _layer_types(config: dict[str, Any], model_type: str, window: int | None) -> tuple[str, ...]:
-    """Each layer's attention kind where they differ: the config's `layer_types` (transformers
-    writes them for Gemma 3 and, with a window, Qwen2), else Qwen2's rule (layers from
-    `max_window_layers` on slide). Empty: every layer alike (full, or all sliding with a window)."""
-    if window is None:
-        return ()
-    if config.get("layer_types"):
-        return tuple(config["layer_types"])
-    layers = config["num_hidden_layers"]
-    if model_type == "gemma3_text":
-        return gemma_layer_types(layers, int(config.get("sliding_window_pattern") or 6))
-    if model_type == "gemma2":  # the even layers local, the odd ones global
-        return gemma_layer_types(layers, 2)
-    if model_type == "qwen2":
-        first = int(config.get("max_window_layers", 28))
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
-    return ()
 
 
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:

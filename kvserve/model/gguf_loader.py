@@ -21,6 +21,7 @@ import torch
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.memory import release_free_memory
 from kvserve.arch import ModelArchitecture
+from kvserve.model.families import SUPPORTED_ARCHITECTURES, family_of
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -50,24 +51,12 @@ _GLOBAL_TENSORS = {
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-# llama.cpp's Phi-3 tensors: Q, K and V in one, and ffn_up holding gate and up (2·F rows)
-_ARCH_LAYER_TENSORS = {
-    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
-    # Gemma 2's and 3's four norms: ffn_norm is the one before the MLP, the other two follow each branch
-    "gemma3_text": {
-        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    },
-}
-_ARCH_LAYER_TENSORS["gemma2"] = _ARCH_LAYER_TENSORS["gemma3_text"]
-
-
 def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
-    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(architecture, {})}
+    own = family_of(architecture).gguf_layer_tensors if architecture in SUPPORTED_ARCHITECTURES else {}
+    names = {**_LAYER_TENSORS, **own}
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None

@@ -15,14 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.arch import ModelArchitecture, RopeScaling, gemma_layer_types
-
-GGUF_TO_HF_ARCH = {
-    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3", "gemma2": "gemma2",
-    "gemma3": "gemma3_text",
-}  # fmt: skip
-# the other way: the name llama.cpp gives each model_type in a GGUF
-HF_TO_GGUF_ARCH = {hf: gguf_name for gguf_name, hf in GGUF_TO_HF_ARCH.items()}
+from kvserve.arch import ModelArchitecture, RopeScaling
+# GGUF general.architecture -> HF model_type: each family's own (model/families/)
+from kvserve.model.families import GGUF_TO_HF_ARCH, GGUFMeta, family_of
 
 
 _MAGIC = b"GGUF"
@@ -291,7 +286,7 @@ def read_architecture(reader, *, require_supported: bool = True, source: Path | 
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
         partial_rotary_factor=_partial_rotary(reader, a, hidden, num_heads),
-        **(_gemma_fields(reader, a, num_layers, hidden, num_heads) if a in ("gemma2", "gemma3") else {}),
+        **_family_options(reader, a, num_layers, hidden, num_heads),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
@@ -306,26 +301,12 @@ def _partial_rotary(reader, a: str, hidden: int, num_heads: int) -> float:
     return 1.0 if rotary is None or int(rotary) >= head_dim else int(rotary) / head_dim
 
 
-def _gemma_fields(reader, a: str, num_layers: int, hidden: int, num_heads: int) -> dict[str, Any]:
-    """Gemma 2 and 3 as llama.cpp reads their GGUFs: the norms' weights already hold 1 + w (its
-    converter adds the 1); Gemma 2 every other layer local (the even ones) with its scores and
-    final logits soft-capped, Gemma 3 every 6th layer global with the local layers' RoPE base
-    10,000; attention scaled by head_dim^-1/2, or hidden / heads for the 27B (46 layers of
-    Gemma 2, 62 of Gemma 3)."""
+def _family_options(reader, a: str, num_layers: int, hidden: int, num_heads: int) -> dict[str, Any]:
+    """The fields the file's family reads from its metadata (model/families/), none for a
+    header no family reads (the planner's)."""
+    model_type = GGUF_TO_HF_ARCH.get(a)
+    if model_type is None:
+        return {}
     head_dim = int(field(reader, f"{a}.attention.key_length") or hidden // num_heads)
-    window = field(reader, f"{a}.attention.sliding_window")
-    every = 2 if a == "gemma2" else 6
-    kinds = gemma_layer_types(num_layers, every) if window is not None else ("full_attention",) * num_layers
-    big = num_layers == (46 if a == "gemma2" else 62)
-    fields = dict(
-        embedding_scale=float(hidden) ** 0.5, sandwich_norms=True, hidden_act="gelu_tanh",
-        query_pre_attn_scalar=float(hidden // num_heads if big else head_dim),
-        layer_types=kinds, sliding_window=None if window is None else int(window),
-    )  # fmt: skip
-    if a == "gemma3":
-        fields["rope_local_theta"] = 10000.0
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        cap = field(reader, f"{a}.{key}")
-        if cap:
-            fields[key] = float(cap)
-    return fields
+    meta = GGUFMeta(a, num_layers, hidden, num_heads, head_dim, lambda key: field(reader, key))
+    return family_of(model_type).gguf_options(meta, model_type)

@@ -25,6 +25,7 @@ from kvserve.errors import ConfigError, ModelLoadError
 from kvserve.model import gguf_loader, gguf_metadata, hf_loader, weight_cache
 from kvserve.model.generation_config import read_generation_config
 from kvserve.arch import ModelArchitecture
+from kvserve.model.families import family_of
 from kvserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,9 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, quantizati
     else:
         arch, weights, tokenizer = _load_gguf_quantized(path, dtype, quantization, notes)
         from_cache = False
-    split_fused_projections(weights, arch, path)
+    prepare = family_of(arch.architecture).prepare_weights
+    if prepare is not None:  # the family's checkpoint into the decoder's names (Phi-3's fused projections)
+        prepare(weights, arch, path)
     _check_weights(arch, weights, path)
     return LoadedModel(
         name=name,
@@ -179,34 +182,6 @@ def _load_gguf_dequantized(path: Path, dtype: torch.dtype):
     weight_cache.store(cached_weights, arch, weights)
     tokenizer.save_pretrained(str(tokenizer_dir))
     return arch, weights, tokenizer, False
-
-
-def split_fused_projections(weights: dict, arch: ModelArchitecture, path: Path) -> None:
-    """Phi-3 stores Q, K and V as one `qkv_proj` and gate and up as one `gate_up_proj`: cut
-    into the Llama names (the layers join them again in their own fused layout). A quantized
-    weight is cut between its packed groups of rows (ModelLoadError where a cut falls inside one)."""
-    from kvserve.model import quant_formats
-
-    def rows(t, lo: int, hi: int, name: str):
-        if isinstance(t, quant_formats.QuantizedWeight):
-            try:
-                return quant_formats.slice_rows(t, lo, hi)
-            except ValueError as exc:
-                raise ModelLoadError(f"{path}: {name} in its quantized format cannot be cut into its parts ({exc})") from None
-        return t[lo:hi].contiguous()
-
-    q, kv, ffn = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
-    for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
-        fused = weights.pop(name)
-        if name.endswith("qkv_proj.weight"):
-            base = name.removesuffix("qkv_proj.weight")
-            for part, (lo, hi) in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
-                weights[f"{base}{part}_proj.weight"] = rows(fused, lo, hi, name)
-        else:
-            base = name.removesuffix("gate_up_proj.weight")
-            weights[f"{base}gate_proj.weight"] = rows(fused, 0, ffn, name)
-            weights[f"{base}up_proj.weight"] = rows(fused, ffn, 2 * ffn, name)
-        del fused
 
 
 def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.model.gguf_metadata import HF_TO_GGUF_ARCH
+from kvserve.model.families import HF_TO_GGUF_ARCH
 from tests.support.paged_driver import PagedDriver, assert_follows_reference
 from tests.support.tiny_gguf import write_gguf
 from tests.support.tiny_models import PHI3_LONGROPE, TINY_VARIANTS, load_reference, make_tiny_model
