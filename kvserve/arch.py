@@ -1,6 +1,6 @@
 """The shape of a decoder kvserve runs: everything the forward pass and the KV cache need.
 
-One dataclass for every family (model/families/: Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3),
+One dataclass for every family (families/: Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3),
 which differ in named options (QKV bias, per-head q/k RMSNorm, partial rotary, RoPE theta and
 scaling, sliding windows, Gemma's norms, activation and soft-capping); read from an HF
 `config.json` here (`read_hf_config`) or from GGUF metadata (`kvserve.model.gguf_metadata`), or named in `kvserve.arch_presets`. Torch-free:
@@ -22,7 +22,7 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 
-from kvserve.model.families import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401 (re-exported)
+from kvserve.families import SUPPORTED_ARCHITECTURES, family_of  # noqa: F401 (re-exported)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
@@ -278,7 +278,7 @@ class ModelArchitecture:
         hidden = config["hidden_size"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        # the family's own fields (model/families/): bias, q/k norms, windows, Gemma's options;
+        # the family's own fields (families/): bias, q/k norms, windows, Gemma's options;
         # a config of a type no family reads (the planner's) is read as a Llama
         options = family_of(model_type).hf_options(config, model_type) if model_type in SUPPORTED_ARCHITECTURES else {}
         options.setdefault("attention_bias", bool(config.get("attention_bias", False)))

@@ -8,7 +8,7 @@ epsilon, context); tools/make_model.py writes them into its files as the real mo
 from __future__ import annotations
 
 from kvserve.arch import ModelArchitecture, RopeScaling
-from kvserve.model.families.gemma import gemma_layer_types
+from kvserve.families.gemma import gemma_layer_types
 
 
 def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, vocab: int, tied: bool,

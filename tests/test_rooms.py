@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvserve"
 
 ROOMS = [
     "errors", "paths", "memory", "request_state", "outputs",  # leaves: no kvserve imports but these
+    "families",  # what sets each architecture family apart, how its checkpoints name it; torch-free
     "arch", "arch_presets",  # a model's shape, torch-free
     "kernels",  # ISA levels, builds, the compiled ops and what each model may use of them
     "config",  # the engine's validated configuration

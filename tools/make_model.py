@@ -56,7 +56,7 @@ from gguf import GGMLQuantizationType as T
 from kvserve.errors import ConfigError
 from kvserve.arch import ModelArchitecture
 from kvserve.arch_presets import PRESETS
-from kvserve.model.families import HF_TO_GGUF_ARCH
+from kvserve.families import HF_TO_GGUF_ARCH
 from tools.quant_blocks import BLOCK_MAKERS, WEIGHT_STD
 
 VOCAB_SIZE = 49152  # the default model's tokenizer, which every file carries (checked against its GGUF)

@@ -135,6 +135,43 @@ class AttentionMetadata:
         return self._groups
 
 
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata a layer of KV group `group` reads: this one (a pool without groups)."""
+        return self
+
+
+@dataclasses.dataclass
+class GroupedMetadata:
+    """A step's attention metadata per KV group (engine/kv_groups.py): each group's tables,
+    slots and windowed rows index its own blocks, and a layer reads its group's
+    (`for_group`). The step's rows are the same in every group. Counts of KV read are
+    averaged over the layers (each group's weighed by its layers)."""
+
+    groups: list[AttentionMetadata]
+    layers_per_group: list[int]
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self.groups[group]
+
+    @property
+    def prefills(self) -> list[PrefillSegment]:
+        return self.groups[0].prefills
+
+    @property
+    def shared_prefix(self) -> "SharedPrefixTensors | None":
+        return next((m.shared_prefix for m in self.groups if m.shared_prefix is not None), None)
+
+    def _mean(self, counts: list[int]) -> int:
+        return sum(n * c for n, c in zip(self.layers_per_group, counts)) // sum(self.layers_per_group)
+
+    @property
+    def kv_positions_read(self) -> int:
+        return self._mean([m.kv_positions_read for m in self.groups])
+
+    def kv_positions_read_with_sharing(self) -> int:
+        return self._mean([m.kv_positions_read_with_sharing() for m in self.groups])
+
+
 @dataclasses.dataclass(frozen=True)
 class SharedPrefixTensors:
     """A step's shared-prefix plan with the tensors its decode attention reads, built once per

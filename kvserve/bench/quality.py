@@ -111,7 +111,8 @@ def teacher_forced_logprobs(engine, token_ids: list[int], request_id: str) -> to
             m = min(chunk, req.num_tokens - req.num_computed_tokens)
             if not kv.allocate_slots(req, m):
                 raise ConfigError("--kv-cache-memory", f"the KV pool cannot hold a window of {len(token_ids)} positions")
-            plan = SchedulerOutput([ScheduledRequest(req, m)], {req.request_id: kv.block_ids(req.request_id)})
+            tables, group_tables = kv.tables([req.request_id])
+            plan = SchedulerOutput([ScheduledRequest(req, m)], tables, group_block_tables=group_tables)
             batch = engine.runner.prepare(plan)
             with torch.inference_mode():
                 hidden = model(batch.input_ids, batch.positions, batch.meta)

@@ -22,8 +22,10 @@ def describe(engine: LLMEngine) -> str:
         f"{' (kvserve CPU kernels)' if engine.uses_cpu_kernels else ''}; "
         f"KV cache: {str(layout.kv_dtype).removeprefix('torch.')}"
         f"{' (fp32 scale per position and KV head)' if layout.quantized else ''}, "
-        f"{layout.num_blocks} blocks x {layout.block_size} = {layout.num_tokens} tokens, "
-        f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
+        + (f"{layout.num_blocks} blocks x {layout.block_size} = {layout.num_tokens} tokens, " if layout.groups is None else
+           f"{layout.num_blocks} blocks of {layout.block_size} positions x {layout.groups.layers_per_block} layers "
+           f"(KV groups, below), ")
+        + f"c_kv {layout.kv_bytes_per_position} bytes/position, {layout.nbytes / 2**20:.1f} MiB; "
         f"max_model_len {engine.max_model_len}; loaded in {engine.load_seconds:.1f}s"
         f"{' (cached weights)' if engine.loaded_from_cache else ''}\n"
         f"{tensor_parallel_line(engine)}{sliding_window_line(engine)}"
@@ -35,14 +37,31 @@ def describe(engine: LLMEngine) -> str:
 
 
 def sliding_window_line(engine: LLMEngine) -> str:
-    """The layers that attend within a sliding window, and what the pool keeps for them; else nothing."""
+    """The layers that attend within a sliding window, c_kv per layer kind, and what the pool
+    keeps of them: held to the window (engine/kv_groups.py), the capacity for a request of
+    max_model_len and for short ones; else nothing."""
     windows = engine.arch.layer_windows
     sizes = sorted({w for w in windows if w is not None})
     if not sizes:
         return ""
-    counts = ", ".join(f"{w} positions on {sum(x == w for x in windows)} of {len(windows)} layers" for w in sizes)
-    return (f"sliding window: {counts}; a step whose rows pass it attends within it row by row "
-            "(attention/sliding_window.py); the pool still keeps every position's KV in those layers\n")
+    layout = engine.layout
+    c_layer = layout.kv_bytes_per_position // len(windows)
+    kinds = [(None, sum(w is None for w in windows))] + [(w, sum(x == w for x in windows)) for w in sizes]
+    c_kv = ", ".join(f"{'global' if w is None else f'window {w}'} {n} layers {n * c_layer:,}" for w, n in kinds if n)
+    line = f"sliding window: c_kv per layer kind (bytes/position): {c_kv}; "
+    groups = layout.groups
+    if groups is None:
+        why = "the requests KV layout" if engine.requests_layout else f"--kv-role {engine.config.kv_role}"
+        return line + f"the pool keeps every position's KV in every layer ({why}: KV moves by whole blocks)\n"
+    n = engine.max_model_len
+    held = groups.blocks_held(n, layout.block_size)
+    usable = layout.num_blocks - groups.reserved_blocks
+    return line + (
+        f"KV held to the window: {groups.num_groups} KV groups ({groups.describe()}), blocks of "
+        f"{layout.block_size} positions x {groups.layers_per_block} layers ({layout.block_bytes:,} bytes); "
+        f"a request of {n} positions holds {held} blocks ({groups.positions_held(n):,} layer-positions), "
+        f"{usable // held if held else 0} such requests fit; requests within the window: {layout.num_tokens} positions\n"
+    )
 
 
 def tensor_parallel_line(engine: LLMEngine) -> str:
@@ -80,4 +99,6 @@ def step_log_header(engine: LLMEngine) -> dict:
         "max_num_batched_tokens": config.max_num_batched_tokens, "dtype": str(config.torch_dtype).removeprefix("torch."),
         "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
         "threads": torch.get_num_threads(),
+        # sliding windows held by the pool (engine/kv_groups.py): the simulator holds them too
+        "layer_windows": list(arch.layer_windows) if engine.layout.groups is not None else [],
     }  # fmt: skip

@@ -95,17 +95,24 @@ class LLMEngine:
                 self.tp.world, self.layout.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events
             )
         else:
-            self.kv_cache = KVCacheManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
-        self.connector = None  # a handoff moves one process's pools (not yet a tensor-parallel group's)
-        if self.tp is None:
+            self.kv_cache = KVCacheManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events,
+                                           self.layout.groups)  # fmt: skip
+        # a handoff moves one process's pools (not yet a tensor-parallel group's), whole blocks
+        # of every layer (not yet a pool held to its windows)
+        self.connector = None
+        if self.tp is None and self.layout.groups is None:
             self.connector = KVConnector(
                 kv_transport or open_transport(config), self.runner.kv_pool, self.runner.kv_scales, config.block_size,
                 functools.partial(skip_draw, vocab_size=self.arch.vocab_size), config.kv_transfer_failure,
                 config.kv_transfer_timeout_s,
             )  # fmt: skip
         self.scheduler = Scheduler(config, self.kv_cache, self.connector)
+        refusal = None if self.connector is not None else (
+            "handoffs under tensor parallelism are not supported yet" if self.tp is not None else
+            "this instance holds sliding-window layers to their window, and a handoff moves every layer's positions; "
+            "start both instances of the pair with --kv-role prefill / decode, which keep them all")  # fmt: skip
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.block_size, config.kv_role,
-                                     takes_handoffs=self.connector is not None)  # fmt: skip
+                                     handoff_refusal=refusal)  # fmt: skip
         self.outputs = OutputProcessor(self.connector)
         self.counters = EngineCounters()
         self._next_id = 0

@@ -42,13 +42,14 @@ class NewRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, kv_role: str, takes_handoffs: bool):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, kv_role: str,
+                 handoff_refusal: str | None = None):  # fmt: skip
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.kv_role = kv_role
-        self.takes_handoffs = takes_handoffs  # not yet under tensor parallelism
+        self.handoff_refusal = handoff_refusal  # why this instance takes no handoffs; None: it does
 
     # ---- the caller's side -------------------------------------------------------------
 
@@ -129,8 +130,8 @@ class InputProcessor:
         """A handoff this instance can take part in; a prefill request stops at its first token."""
         if not isinstance(kv_transfer, KVTransferParams):
             kv_transfer = KVTransferParams.from_dict(kv_transfer)
-        if not self.takes_handoffs:
-            raise InvalidRequestError("kv_transfer_params: handoffs under tensor parallelism are not supported yet", "kv_transfer_params")
+        if self.handoff_refusal is not None:
+            raise InvalidRequestError(f"kv_transfer_params: {self.handoff_refusal}", "kv_transfer_params")
         role = self.kv_role
         if kv_transfer.do_remote_decode and role == "decode":
             raise InvalidRequestError("kv_transfer_params: this is a decode instance (--role decode); it does not prefill for others",

@@ -57,6 +57,10 @@ class RequestShardedKVCache:
         rank = self._rank_of.get(request_id)
         return [] if rank is None else self.ranks[rank].block_ids(request_id)
 
+    def tables(self, request_ids: list[str]) -> tuple[dict[str, list[int]], None]:
+        """Each request's table in its rank's pool (no KV groups under this layout)."""
+        return {rid: self.block_ids(rid) for rid in request_ids}, None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Places the request (unless it is placed already), then its prefix hits on that rank."""
         rank = self._rank_of.get(request.request_id)

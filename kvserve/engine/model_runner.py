@@ -15,10 +15,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, SharedPrefixTensors, context_slots, rectangular_causal_bias
+from kvserve.attention.metadata import (
+    AttentionMetadata, GroupedMetadata, PrefillSegment, SharedPrefixTensors, context_slots, rectangular_causal_bias,
+)
 from kvserve.attention.shared_prefix_plan import SharedPrefixRule, find_shared_prefill_prefixes
 from kvserve.attention.sliding_window import WindowedRows
 from kvserve.distributed.request_layout import RequestShardedMetadata
+from kvserve.engine.kv_groups import KVGroups
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -35,30 +38,60 @@ _PROMPT_LOGITS_ROWS = 256
 class KVPoolLayout:
     num_blocks: int
     block_size: int
-    kv_bytes_per_position: int  # c_kv, an int8 pool's scales included
+    kv_bytes_per_position: int  # c_kv, every layer's, an int8 pool's scales included
     kv_dtype: torch.dtype = torch.bfloat16  # the pools' elements; int8 pools have fp32 scale pools beside them
+    # how the layers share blocks (engine/kv_groups.py); None: one group of every layer
+    groups: KVGroups | None = None
 
     @property
     def quantized(self) -> bool:
         return self.kv_dtype == torch.int8
 
     @property
+    def kv_groups(self) -> KVGroups:
+        return self.groups if self.groups is not None else KVGroups.single(1)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block: block_size positions of its group's layer slots (every layer's without groups)."""
+        g = self.kv_groups
+        if self.groups is None:
+            return self.block_size * self.kv_bytes_per_position
+        return self.block_size * g.layers_per_block * (self.kv_bytes_per_position // g.num_layers)
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Positions the pool holds of requests that keep every layer's KV (any request, without
+        windows; one within its windows, with them)."""
+        g = self.kv_groups
+        return (self.num_blocks - g.reserved_blocks) // g.num_groups * self.block_size
+
+    def max_request_positions(self, chunk: int) -> int:
+        """The longest request the pool holds alone, its prompt computed in chunks of at most
+        `chunk` positions (a sliding group holds its window and one chunk at most)."""
+        g = self.kv_groups
+        return g.max_request_positions(self.num_blocks, self.block_size, chunk) if g.windowed else self.num_tokens
 
     @property
     def nbytes(self) -> int:
-        return self.num_tokens * self.kv_bytes_per_position
+        return self.num_blocks * self.block_bytes
 
 
-def plan_kv_pool(arch: ModelArchitecture, kv_dtype: torch.dtype, memory_bytes: int, block_size: int) -> KVPoolLayout:
-    """As many blocks as `memory_bytes` holds at c_kv per position (int8: elements and scales)."""
+def plan_kv_pool(
+    arch: ModelArchitecture, kv_dtype: torch.dtype, memory_bytes: int, block_size: int, groups: KVGroups | None = None
+) -> KVPoolLayout:
+    """As many blocks as `memory_bytes` holds (int8: elements and scales): at c_kv per position
+    without groups, at a group's layer slots per position with them."""
     if kv_dtype == torch.int8:
         c_kv = arch.kv_int8_bytes_per_position()
     else:
         c_kv = arch.kv_bytes_per_position(torch.empty((), dtype=kv_dtype).element_size())
-    num_blocks = memory_bytes // (c_kv * block_size)
-    return KVPoolLayout(num_blocks=int(num_blocks), block_size=block_size, kv_bytes_per_position=c_kv, kv_dtype=kv_dtype)
+    if groups is not None and (groups.grouped or groups.windowed):
+        per_block = block_size * groups.layers_per_block * (c_kv // arch.num_layers)
+    else:
+        groups, per_block = None, c_kv * block_size
+    return KVPoolLayout(num_blocks=int(memory_bytes // per_block), block_size=block_size, kv_bytes_per_position=c_kv,
+                        kv_dtype=kv_dtype, groups=groups)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -111,14 +144,23 @@ class ModelRunner:
         shape = (layout.num_blocks, layout.block_size, pool_kv_heads or arch.num_kv_heads, arch.head_dim)
         # one allocation for all layers' K and V: [2, L, blocks, block_size, N_kv, H], in the
         # layout's dtype (the model's, or int8); int8 pools get their scales beside them in a
-        # second one, [2, L, blocks, block_size, N_kv] fp32 (kvserve/attention/kv_pool.py quantize_kv)
-        self.kv_pool = torch.zeros((2, arch.num_layers, *shape), dtype=layout.kv_dtype, device=device)
+        # second one, [2, L, blocks, block_size, N_kv] fp32 (kvserve/attention/kv_pool.py quantize_kv).
+        # With KV groups (engine/kv_groups.py) a block holds U layer slots, not L: [2, U, ...],
+        # and each layer reads its slot through its group's tables
+        groups = layout.groups
+        slots = groups.layers_per_block if groups is not None else arch.num_layers
+        layer_slot = list(groups.layer_slot) if groups is not None else list(range(arch.num_layers))
+        self.kv_groups = groups
+        self.kv_pool = torch.zeros((2, slots, *shape), dtype=layout.kv_dtype, device=device)
         self.kv_scales = None
+        pools = [[self.kv_pool[i][s] for s in layer_slot] for i in (0, 1)]
+        layer_group = list(groups.layer_group) if groups is not None else None
         if layout.quantized:
-            self.kv_scales = torch.zeros((2, arch.num_layers, *shape[:3]), dtype=torch.float32, device=device)
-            model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]), list(self.kv_scales[0]), list(self.kv_scales[1]))
+            self.kv_scales = torch.zeros((2, slots, *shape[:3]), dtype=torch.float32, device=device)
+            scales = [[self.kv_scales[i][s] for s in layer_slot] for i in (0, 1)]
+            model.bind_kv_cache(pools[0], pools[1], scales[0], scales[1], kv_groups=layer_group)
         else:
-            model.bind_kv_cache(list(self.kv_pool[0]), list(self.kv_pool[1]))
+            model.bind_kv_cache(pools[0], pools[1], kv_groups=layer_group)
         # the decode-attention kernel walks block tables itself: no slot lists or masks needed
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
         self.windows = sorted({w for w in model.arch.layer_windows if w is not None})  # the layers' sliding windows
@@ -169,7 +211,9 @@ class ModelRunner:
         sampling = scheduler_output.sampling
         logits_indices = [last_row[s.request.request_id] for s in sampling]
 
-        if kv_ranks is None:
+        if scheduler_output.group_block_tables is not None:  # a table per KV group, a layer reads its group's
+            meta = self._grouped_metadata(ordered, scheduler_output.group_block_tables)
+        elif kv_ranks is None:
             meta = self._attention_metadata(ordered, block_tables)
         else:
             world = self.tp.world if self.tp is not None else 1
@@ -187,10 +231,24 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
-    def _attention_metadata(self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> AttentionMetadata:
+    def _grouped_metadata(self, ordered: list[ScheduledRequest], group_tables: dict[str, list[list[int]]]) -> GroupedMetadata:
+        """One AttentionMetadata per KV group, over its tables, windowed by its window only."""
+        groups = self.kv_groups
+        metas = [
+            self._attention_metadata(ordered, {rid: tables[g] for rid, tables in group_tables.items()},
+                                     windows=[] if w is None else [w])
+            for g, w in enumerate(groups.group_windows)
+        ]  # fmt: skip
+        layers = [sum(1 for x in groups.layer_group if x == g) for g in range(groups.num_groups)]
+        return GroupedMetadata(metas, layers)
+
+    def _attention_metadata(
+        self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]], windows: list[int] | None = None
+    ) -> AttentionMetadata:
         """The attention metadata of these requests' rows (decodes first, then prefill chunks),
         query offsets counted from their first row: the whole step, or one rank's rows under
-        the requests KV layout (its block tables then index its own pool)."""
+        the requests KV layout (its block tables then index its own pool). `windows`: the
+        sliding windows of the layers that read it (default: every window of the model)."""
         bs = self.layout.block_size
         decodes = [s for s in ordered if s.num_new_tokens == 1]
         slot_mapping: list[int] = []
@@ -230,7 +288,7 @@ class ModelRunner:
         row_tables = None
         if self.deterministic and prefills and self.decode_reads_pool_in_place:
             row_tables = self._row_tables(ordered, block_tables)
-        windowed = self._windowed_rows(ordered, block_tables, row_tables)
+        windowed = self._windowed_rows(ordered, block_tables, row_tables, self.windows if windows is None else windows)
         if decodes:
             lens_list = [s.request.num_computed_tokens + 1 for s in decodes]
             kv_positions_read += sum(lens_list)
@@ -274,15 +332,15 @@ class ModelRunner:
         )
 
     def _windowed_rows(
-        self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]], row_tables
+        self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]], row_tables, windows: list[int]
     ) -> dict[int, WindowedRows]:
         """Per sliding window of the model that some row of these requests sees past: its rows
         (attention/sliding_window.py); on the kernels every row as a decode query, on the
         reference path the decode rows' ranges gathered."""
-        if not self.windows or not ordered:
+        if not windows or not ordered:
             return {}
         longest = max(s.request.num_computed_tokens + s.num_new_tokens for s in ordered)
-        windows = [w for w in self.windows if longest > w]
+        windows = [w for w in windows if longest > w]
         if not windows:
             return {}
         if self.decode_reads_pool_in_place:

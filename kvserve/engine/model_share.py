@@ -20,6 +20,7 @@ from kvserve.distributed.fingerprint import model_fingerprint
 from kvserve.distributed.launch import check_ranks_agree
 from kvserve.distributed.request_layout import RequestHeads
 from kvserve.distributed.sharding import TensorParallelShard, plan_shard
+from kvserve.engine.kv_groups import KVGroups
 from kvserve.engine.model_runner import KVPoolLayout, ModelRunner, plan_kv_pool
 from kvserve.errors import ConfigError
 from kvserve.kernels.support import KernelSupport
@@ -89,10 +90,11 @@ def build_model_share(config: EngineConfig, tp, loaded: LoadedModel | None, tp_n
     attention_arch = dataclasses.replace(local_arch, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads) \
         if requests_layout else local_arch  # fmt: skip
 
-    layout = plan_kv_pool(attention_arch, config.torch_kv_dtype, config.kv_cache_memory, config.block_size)
+    layout = plan_kv_pool(attention_arch, config.torch_kv_dtype, config.kv_cache_memory, config.block_size,
+                          kv_groups(config, arch, requests_layout))  # fmt: skip
     context_len = _context_len(config, arch, layout)
     # one request must always fit the pool alone, so preemption can always make progress
-    max_model_len = min(context_len, layout.num_tokens)
+    max_model_len = min(context_len, layout.max_request_positions(_chunk_bound(config)))
     # which kernel runs each part of this model, decided once; the model only follows it
     kernels = KernelSupport.decide(
         attention_arch, config.torch_dtype, config.torch_device, ops, config.prepack_weights, kv_dtype=layout.kv_dtype,
@@ -125,6 +127,22 @@ def build_model_share(config: EngineConfig, tp, loaded: LoadedModel | None, tp_n
     return share
 
 
+def kv_groups(config: EngineConfig, arch, requests_layout: bool) -> KVGroups | None:
+    """The pool's KV groups (engine/kv_groups.py): sliding-window layers held to their window,
+    for one process or the heads layout of tensor parallelism; None (every position kept) under
+    the requests layout and for an instance of a prefill/decode pair, whose KV moves between
+    pools by whole blocks of every layer."""
+    if not any(w is not None for w in arch.layer_windows) or requests_layout or config.kv_role != "both":
+        return None
+    return KVGroups.for_windows(arch.layer_windows)
+
+
+def _chunk_bound(config: EngineConfig) -> int:
+    """The most positions one request computes in a step (the scheduler's chunk)."""
+    threshold = config.long_prefill_token_threshold or config.max_num_batched_tokens
+    return min(config.max_num_batched_tokens, threshold)
+
+
 def _context_len(config: EngineConfig, arch, layout: KVPoolLayout) -> int:
     """The longest context served: the model's (dynamic NTK's original context), or
     max_model_len if it fits. A sliding window does not cap it: those layers attend within
@@ -142,10 +160,11 @@ def _context_len(config: EngineConfig, arch, layout: KVPoolLayout) -> int:
         return model_len
     if config.max_model_len > model_len:
         raise ConfigError("max_model_len", f"{config.max_model_len} exceeds the model's context of {model_len}")
-    if config.max_model_len > layout.num_tokens:
+    fits = layout.max_request_positions(_chunk_bound(config))
+    if config.max_model_len > fits:
         raise ConfigError(
             "max_model_len",
-            f"{config.max_model_len} positions do not fit the KV pool of {layout.num_tokens} "
+            f"{config.max_model_len} positions do not fit the KV pool, which holds a request of {fits} at most "
             f"({config.kv_cache_memory} bytes); raise kv_cache_memory or lower max_model_len",
         )
     return config.max_model_len

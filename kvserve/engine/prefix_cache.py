@@ -29,10 +29,15 @@ def hash_block(parent: bytes | None, token_ids, extra_keys: bytes = b"") -> byte
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int, events=None):
+    """One KV group's cache (engine/kv_groups.py; the only one without groups): its blocks are
+    found by hash within the group. A sliding group's table has None where its blocks left the
+    window: nothing to cache there."""
+
+    def __init__(self, pool: BlockPool, block_size: int, events=None, group: int = 0):
         self.pool = pool
         self.block_size = block_size
-        self.events = events  # kv_events.KVEventLog (--enable-kv-cache-events), or None
+        self.group = group
+        self.events = events if group == 0 else None  # kv_events.KVEventLog (--enable-kv-cache-events), or None
         self._num_hashed_blocks: dict[str, int] = {}  # per request: its leading blocks already findable
 
     def lookup(self, request: Request) -> list[KVBlock]:
@@ -41,7 +46,7 @@ class PrefixCache:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+            block = self.pool.get_cached_block(block_hash, self.group)
             if block is None:
                 break
             hits.append(block)
@@ -57,7 +62,8 @@ class PrefixCache:
         # K/V of the step before any query reads, so their contents exist when read.
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_hashed_blocks[request.request_id]
-        stored = [i for i in range(start, num_full) if self.pool.cache_block(blocks[i], request.block_hashes[i])]
+        stored = [i for i in range(start, num_full)
+                  if blocks[i] is not None and self.pool.cache_block(blocks[i], request.block_hashes[i], self.group)]  # fmt: skip
         self._num_hashed_blocks[request.request_id] = max(start, num_full)
         if stored and self.events is not None:
             self._record_stored(request, stored)

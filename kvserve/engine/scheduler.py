@@ -54,6 +54,9 @@ class SchedulerOutput:
     # decode requests whose first token arrived with their KV this step (disagg/connector.py),
     # and those whose handoff failed and ended them: outputs to emit though they ran nothing
     arrived: list[Request] = dataclasses.field(default_factory=list)
+    # with KV groups (engine/kv_groups.py): request id -> its table in each group (block_tables
+    # holds the first group's); None without groups
+    group_block_tables: dict[str, list[list[int]]] | None = None
 
     @property
     def sampling(self) -> list[ScheduledRequest]:
@@ -158,9 +161,9 @@ class Scheduler:
                 self._admit(request, now, num_cached, n, scheduled)
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
-        block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in scheduled}
+        block_tables, group_tables = self.kv_cache.tables([s.request.request_id for s in scheduled])
         kv_ranks = self.kv_cache.ranks_of([s.request.request_id for s in scheduled])
-        return SchedulerOutput(scheduled, block_tables, preempted, kv_ranks, arrived)
+        return SchedulerOutput(scheduled, block_tables, preempted, kv_ranks, arrived, group_tables)
 
     def _admit(self, request: Request, now: float, num_computed: int, n: int, scheduled: list[ScheduledRequest]) -> None:
         """The head of `waiting` runs from this step, computing n positions from num_computed."""

@@ -21,7 +21,7 @@ import torch
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.memory import release_free_memory
 from kvserve.arch import ModelArchitecture
-from kvserve.model.families import SUPPORTED_ARCHITECTURES, family_of
+from kvserve.families import SUPPORTED_ARCHITECTURES, family_of
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",

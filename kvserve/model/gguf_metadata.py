@@ -16,8 +16,8 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.arch import ModelArchitecture, RopeScaling
-# GGUF general.architecture -> HF model_type: each family's own (model/families/)
-from kvserve.model.families import GGUF_TO_HF_ARCH, GGUFMeta, family_of
+# GGUF general.architecture -> HF model_type: each family's own (families/)
+from kvserve.families import GGUF_TO_HF_ARCH, GGUFMeta, family_of
 
 
 _MAGIC = b"GGUF"
@@ -302,7 +302,7 @@ def _partial_rotary(reader, a: str, hidden: int, num_heads: int) -> float:
 
 
 def _family_options(reader, a: str, num_layers: int, hidden: int, num_heads: int) -> dict[str, Any]:
-    """The fields the file's family reads from its metadata (model/families/), none for a
+    """The fields the file's family reads from its metadata (families/), none for a
     header no family reads (the planner's)."""
     model_type = GGUF_TO_HF_ARCH.get(a)
     if model_type is None:

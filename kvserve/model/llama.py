@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionMetadata, GroupedMetadata
 from kvserve.attention.kv_pool import write_kv
 from kvserve.attention.paged import paged_attention
 from kvserve.distributed.request_layout import RequestExchange, RequestHeads, RequestShardedMetadata, RequestStep
@@ -184,6 +184,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp  # distributed/group.py TensorParallelGroup, or None
         self.local = arch.layer_is_local(index)
+        self.kv_group = 0  # its KV group (engine/kv_groups.py), set with its pools
         p = f"model.layers.{index}"
         norm_ops = kernels.op("rms_norm")
         self.input_layernorm = _norm(arch, w, f"{p}.input_layernorm.weight", norm_ops)
@@ -304,9 +305,13 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_cache(
         self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
         k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None,
+        kv_groups: list[int] | None = None,
     ) -> None:
-        """Each layer's K/V pools; with int8 pools, their scale pools too."""
+        """Each layer's K/V pools; with int8 pools, their scale pools too. `kv_groups`: each
+        layer's KV group (engine/kv_groups.py), whose tables index its pool; all 0 without groups."""
         no_scales = [None] * len(self.layers)
+        for layer, group in zip(self.layers, kv_groups or [0] * len(self.layers)):
+            layer.kv_group = group
         for layer, k_pool, v_pool, k_scale, v_scale in zip(
             self.layers, k_pools, v_pools, k_scales or no_scales, v_scales or no_scales
         ):
@@ -396,7 +401,8 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 h, residual = layer(h, residual, None, steps[layer.local])
             return residual.add_(h)
-        if not meta.prefills and not meta.windowed and 0 < input_ids.shape[0] <= self.fused_decode_rows():
+        grouped = isinstance(meta, GroupedMetadata)  # tables per KV group: the fused step reads one
+        if not grouped and not meta.prefills and not meta.windowed and 0 < input_ids.shape[0] <= self.fused_decode_rows():
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
             # attention in its parts (kernels/shared_prefix_decode.cpp); a step where a row
             # sees past a sliding window goes layer by layer (attention/sliding_window.py)
@@ -408,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         ropes = self._ropes(positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, ropes[layer.local], meta)
+            h, residual = layer(h, residual, ropes[layer.local], meta.for_group(layer.kv_group))
             if after_layer is not None:
                 after_layer(i)
         return residual.add_(h)

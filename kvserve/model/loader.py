@@ -14,6 +14,7 @@ result is cached on disk).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import logging
 import time
@@ -22,10 +23,10 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import ConfigError, ModelLoadError
-from kvserve.model import gguf_loader, gguf_metadata, hf_loader, weight_cache
+from kvserve.model import gguf_loader, gguf_metadata, hf_loader, quant_formats, weight_cache
 from kvserve.model.generation_config import read_generation_config
 from kvserve.arch import ModelArchitecture
-from kvserve.model.families import family_of
+from kvserve.families import family_of
 from kvserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, quantizati
         from_cache = False
     prepare = family_of(arch.architecture).prepare_weights
     if prepare is not None:  # the family's checkpoint into the decoder's names (Phi-3's fused projections)
-        prepare(weights, arch, path)
+        prepare(weights, arch, functools.partial(_cut_rows, path=path))
     _check_weights(arch, weights, path)
     return LoadedModel(
         name=name,
@@ -123,8 +124,6 @@ def _quantizer(quantization: str):
     """A per-tensor transform quantizing float weights at load (int8 / int4), else None."""
     if quantization not in ("int8", "int4"):
         return None
-    from kvserve.model import quant_formats
-
     def transform(name: str, tensor: torch.Tensor):
         if not (gguf_loader.is_quantizable(name) and tensor.dim() == 2 and quant_formats.packable(*tensor.shape)):
             return tensor
@@ -182,6 +181,17 @@ def _load_gguf_dequantized(path: Path, dtype: torch.dtype):
     weight_cache.store(cached_weights, arch, weights)
     tokenizer.save_pretrained(str(tokenizer_dir))
     return arch, weights, tokenizer, False
+
+
+def _cut_rows(t, lo: int, hi: int, name: str, path: Path):
+    """Rows [lo, hi) of a loaded weight; a quantized one cut between its packed groups of rows
+    (ModelLoadError where the cut falls inside one)."""
+    if isinstance(t, quant_formats.QuantizedWeight):
+        try:
+            return quant_formats.slice_rows(t, lo, hi)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {name} in its quantized format cannot be cut into its parts ({exc})") from None
+    return t[lo:hi].contiguous()
 
 
 def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], path: Path) -> None:

@@ -22,6 +22,26 @@ def logical_kv_bytes(history_positions: Sequence[int] | int, kv_bytes_per_positi
     return sum(history_positions) * kv_bytes_per_position
 
 
+def held_positions(history_positions: int, layer_windows: Sequence[int | None]) -> float:
+    """Positions of KV a request of S keeps per layer, averaged over the layers: S for a global
+    layer, min(S, W) for one with a sliding window W (its older positions are never read
+    again, and the engine gives their blocks back: engine/kv_groups.py). S without windows."""
+    if not layer_windows or all(w is None for w in layer_windows):
+        return float(history_positions)
+    return sum(history_positions if w is None else min(history_positions, w) for w in layer_windows) / len(layer_windows)
+
+
+def held_positions_paged(history_positions: int, layer_windows: Sequence[int | None], kv_block_positions: int) -> float:
+    """`held_positions` in whole blocks of b: a global layer's ⌈S/b⌉·b, a windowed one's the
+    blocks from position (S - W)'s on (engine/kv_groups.py `blocks_held`)."""
+    b = kv_block_positions
+    if not layer_windows or all(w is None for w in layer_windows):
+        return float(paged_positions(history_positions, b))
+    total = math.ceil(history_positions / b)
+    held = [total if w is None else total - max(0, history_positions - w) // b for w in layer_windows]
+    return sum(held) * b / len(layer_windows)
+
+
 def paged_positions(history_positions: int, kv_block_positions: int) -> int:
     """Positions actually allocated when KV lives in blocks: the tail block is whole."""
     return math.ceil(history_positions / kv_block_positions) * kv_block_positions

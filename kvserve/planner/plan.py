@@ -39,12 +39,18 @@ class Derived:
         return self.inputs.model.arch.kv_bytes_per_position(self.inputs.bytes_per_kv_element, self.inputs.kv_scale_bytes)
 
     @cached_property
+    def held_positions(self) -> float:
+        """S, or with sliding-window layers the positions a request keeps per layer on average."""
+        return kv.held_positions(self.inputs.history_positions, self.inputs.model.arch.layer_windows)
+
+    @cached_property
     def kv_bytes_per_request(self) -> float:
-        return self.inputs.history_positions * self.kv_bytes_per_position
+        return self.held_positions * self.kv_bytes_per_position
 
     @cached_property
     def kv_bytes_per_request_allocated(self) -> float:
-        return kv.paged_positions(self.inputs.history_positions, self.inputs.kv_block_positions) * self.kv_bytes_per_position
+        i = self.inputs
+        return kv.held_positions_paged(i.history_positions, i.model.arch.layer_windows, i.kv_block_positions) * self.kv_bytes_per_position
 
     @cached_property
     def weight_bytes(self) -> float:

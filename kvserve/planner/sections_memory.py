@@ -35,10 +35,25 @@ def kv_section(d) -> list[Q]:
         c_kv_q = Q("kv_bytes_per_position", "KV bytes per position c_kv", c_kv, "B", "c_kv = 2·L·N_kv·H·p_kv",
                    f"2·{m.num_layers}·{m.num_kv_heads}·{m.head_dim}·{num(i.bytes_per_kv_element)} = {num(c_kv)}")
     p_kv_eff = i.bytes_per_kv_element + s / m.head_dim  # bytes read per K/V element, scales included
+    windows = m.layer_windows
+    if any(w is not None for w in windows):  # sliding-window layers keep their last W positions only
+        kinds = sorted({w for w in windows if w is not None})
+        per_kind = " + ".join(f"{sum(x == w for x in windows)}·min(S, {w})" for w in kinds)
+        n_global = sum(w is None for w in windows)
+        kv_q = [
+            Q("kv_bytes_per_request", "logical KV per request at S, windows held", d.kv_bytes_per_request, "B",
+              "Σ_l min(S, W_l)·c_kv/L", f"({n_global}·{S} + {per_kind})·{num(c_kv)}/{m.num_layers} = {num(d.kv_bytes_per_request)}",
+              note=f"{n_global} global layers keep all S positions, the others their window's; "
+                   f"{num(d.held_positions)} positions per layer on average"),
+            Q("kv_bytes_per_request_every_position", "logical KV per request at S, every position kept", S * c_kv, "B",
+              "S·c_kv", f"{S}·{num(c_kv)} = {num(S * c_kv)}", note="an engine that keeps the windowed layers' old positions"),
+        ]
+    else:
+        kv_q = [Q("kv_bytes_per_request", "logical KV per request at S", d.kv_bytes_per_request, "B", "S·c_kv",
+                  f"{S}·{num(c_kv)} = {num(d.kv_bytes_per_request)}")]
     return [
         c_kv_q,
-        Q("kv_bytes_per_request", "logical KV per request at S", d.kv_bytes_per_request, "B", "S·c_kv",
-          f"{S}·{num(c_kv)} = {num(d.kv_bytes_per_request)}"),
+        *kv_q,
         Q("queries_per_kv_head", "Query heads per KV head g", g, "", "g = N_q/N_kv", f"{m.num_heads}/{m.num_kv_heads} = {g}"),
         Q("gqa_intensity_flops_per_byte", "attention intensity (GQA)", kv.gqa_intensity_flops_per_byte(g, p_kv_eff),
           "FLOP/B", "4·g·S·H / (2·S·H·p_kv) = 2g/p_kv" if not s else "4·g·S·H / (2·S·(H·p_kv + s)) = 2g/(p_kv + s/H)",

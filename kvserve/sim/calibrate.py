@@ -38,6 +38,7 @@ def _fit_and_save(samples: list[Sample], engine: dict, how: str, output, extra: 
         model_name=engine["model"], num_layers=engine["num_layers"], d_model=engine["d_model"],
         num_kv_heads=engine.get("num_kv_heads", 0),
         kv_bytes_per_position=float(engine["kv_bytes_per_position"]), model_len=int(engine["model_len"]),
+        layer_windows=tuple(engine.get("layer_windows") or ()),
         request_overhead=_median_overhead(idle), busy_request_overhead=_median_overhead(busy),
         request_overhead_samples=tuple(idle), busy_request_overhead_samples=tuple(busy),
     )  # fmt: skip

@@ -17,6 +17,7 @@ from kvserve.config import EngineConfig, parse_bytes
 from kvserve.disagg.connector import KVTransferParams
 from kvserve.disagg.handoff import KVHandoff
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_groups import KVGroups
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import SamplerOutput
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput, StepUpdate
@@ -94,12 +95,23 @@ class SimInstance:
         self.config = config = spec.engine_config()
         memory = parse_bytes("kv_cache_memory", spec.kv_cache_memory)
         # the engine's pool: as many blocks as the memory holds at c_kv per position (model_runner.plan_kv_pool);
-        # under tensor parallelism each rank holds its KV heads' share of every position (past N_kv ranks, one head)
-        num_blocks = int(memory * tp.attention_split(model) // (kv_bytes_per_position * config.block_size))
+        # under tensor parallelism each rank holds its KV heads' share of every position (past N_kv ranks, one head).
+        # Sliding-window layers held to their window as the engine holds them (one instance, no handoffs):
+        # blocks of U layer slots in KV groups (engine/kv_groups.py)
+        groups = None
+        per_block = kv_bytes_per_position * config.block_size
+        if model.layer_windows and role == "both":
+            groups = KVGroups.for_windows(model.layer_windows)
+            per_block = per_block * groups.layers_per_block / groups.num_layers
+        num_blocks = int(memory * tp.attention_split(model) // per_block)
         if num_blocks < 1:
             raise ConfigError("kv_cache_memory", f"{memory} bytes hold no block of {config.block_size} positions")
-        self.max_model_len = min(model_len, num_blocks * config.block_size, spec.max_model_len or model_len)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        fits = num_blocks * config.block_size
+        if groups is not None:
+            chunk = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or config.max_num_batched_tokens)
+            fits = groups.max_request_positions(num_blocks, config.block_size, chunk)
+        self.max_model_len = min(model_len, fits, spec.max_model_len or model_len)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, groups=groups)
         self.connector = SimConnector() if role == "decode" else None
         self.scheduler = Scheduler(config, self.kv, self.connector, clock=clock)
         self.rule = SharedPrefixRule(

@@ -163,7 +163,8 @@ def _sustained_rate(samples: list[Sample], header: dict, n: int, lengths: list[i
     from kvserve.sim.step_model import fit
     from kvserve.sim.workload import SimRequest
 
-    model = fit(samples, kv_bytes_per_position=float(header["kv_bytes_per_position"]), model_len=int(header["model_len"]))
+    model = fit(samples, kv_bytes_per_position=float(header["kv_bytes_per_position"]), model_len=int(header["model_len"]),
+                layer_windows=tuple(header.get("layer_windows") or ()))  # fmt: skip
     spec = InstanceSpec(kv_cache_memory=int(header["num_kv_positions"] * header["kv_bytes_per_position"]),
                         block_size=int(header["block_size"]), max_num_batched_tokens=int(header["max_num_batched_tokens"]),
                         max_model_len=int(header["max_model_len"]))  # fmt: skip

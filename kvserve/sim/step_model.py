@@ -76,6 +76,9 @@ class StepTimeModel:
     num_kv_heads: int = 0  # what tensor parallelism can split attention into (0: unknown, split N ways)
     kv_bytes_per_position: float = 0.0  # c_kv of the engine's pool: how many blocks a KV memory holds
     model_len: int = 0  # the model's context, before the pool caps it
+    # each layer's sliding window (None: global); the pool holds windowed layers to their
+    # window (engine/kv_groups.py) as the engine does. Empty: every layer global
+    layer_windows: tuple[int | None, ...] = ()
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +142,8 @@ class StepTimeModel:
         if not isinstance(data, dict) or data.get("kvserve_step_model_version") != MODEL_VERSION:
             raise ConfigError("step model", f"not a version-{MODEL_VERSION} step model (rerun `kvserve plan calibrate --engine`)")
         fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        if "layer_windows" in fields:  # JSON gives a list
+            fields["layer_windows"] = tuple(fields["layer_windows"])
         return cls(**fields)
 
     def save(self, path: str | Path) -> Path:
@@ -235,6 +240,7 @@ def from_datasheet(model, chip, bytes_per_weight: float, kv_bytes_per_position: 
               "the planner's roofline; not measured",
         model_name=model.name, num_layers=a.num_layers, d_model=a.hidden_size, num_kv_heads=a.num_kv_heads,
         kv_bytes_per_position=kv_bytes_per_position, model_len=model_len,
+        layer_windows=a.layer_windows if any(w is not None for w in a.layer_windows) else (),
     )  # fmt: skip
 
 

@@ -31,7 +31,8 @@ class PagedDriver:
             assert kv.allocate_slots(req, n), "pool too small for the test"
             scheduled.append(ScheduledRequest(req, n))
         # what Scheduler.schedule hands the runner: the steps and, after all allocations, the block tables
-        plan = SchedulerOutput(scheduled, {r.request_id: kv.block_ids(r.request_id) for r, _ in work})
+        tables, group_tables = kv.tables([r.request_id for r, _ in work])
+        plan = SchedulerOutput(scheduled, tables, group_block_tables=group_tables)
         batch = self.engine.runner.prepare(plan)
         logits = self.engine.runner.execute(batch)
         # the first half of Scheduler.update_from_output; the caller feeds tokens itself (`decode`)

@@ -4,37 +4,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from kvserve.errors import ModelLoadError
-from kvserve.model.families import Family
+from kvserve.families.base import Family
 
 
-def split_fused_projections(weights: dict, arch: Any, path: Any) -> None:
+def split_fused_projections(weights: dict, arch: Any, cut: Callable[[Any, int, int, str], Any]) -> None:
     """`qkv_proj` and `gate_up_proj` cut into the Llama names (the layers join them again in
-    their own fused layout). A quantized weight is cut between its packed groups of rows
-    (ModelLoadError where a cut falls inside one)."""
-    from kvserve.model import quant_formats
-
-    def rows(t, lo: int, hi: int, name: str):
-        if isinstance(t, quant_formats.QuantizedWeight):
-            try:
-                return quant_formats.slice_rows(t, lo, hi)
-            except ValueError as exc:
-                raise ModelLoadError(f"{path}: {name} in its quantized format cannot be cut into its parts ({exc})") from None
-        return t[lo:hi].contiguous()
-
+    their own fused layout). `cut(tensor, lo, hi, name)`: rows [lo, hi) of a loaded tensor,
+    the loader's (a quantized weight is cut between its packed groups of rows)."""
     q, kv, ffn = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
     for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
         fused = weights.pop(name)
         if name.endswith("qkv_proj.weight"):
             base = name.removesuffix("qkv_proj.weight")
             for part, (lo, hi) in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
-                weights[f"{base}{part}_proj.weight"] = rows(fused, lo, hi, name)
+                weights[f"{base}{part}_proj.weight"] = cut(fused, lo, hi, name)
         else:
             base = name.removesuffix("gate_up_proj.weight")
-            weights[f"{base}gate_proj.weight"] = rows(fused, 0, ffn, name)
-            weights[f"{base}up_proj.weight"] = rows(fused, ffn, 2 * ffn, name)
+            weights[f"{base}gate_proj.weight"] = cut(fused, 0, ffn, name)
+            weights[f"{base}up_proj.weight"] = cut(fused, ffn, 2 * ffn, name)
         del fused
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.model.families import Family, uniform_window
+from kvserve.families.base import Family, uniform_window
 
 
 def hf_options(config: dict[str, Any], model_type: str) -> dict[str, Any]:

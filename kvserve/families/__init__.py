@@ -10,7 +10,7 @@ A family (`Family`) says:
 - `gguf_options(meta)`: the same from a GGUF's metadata (`GGUFMeta`);
 - `gguf_layer_tensors`: llama.cpp's names of the layer tensors beyond the common ones, mapped
   to the HF names the decoder loads;
-- `prepare_weights(weights, arch, path)`: a rewrite of the loaded checkpoint into the
+- `prepare_weights(weights, arch, cut)`: a rewrite of the loaded checkpoint into the
   decoder's names before it is built (Phi-3's fused projections), or None.
 
 Adding an architecture (docs/design.md): a file here with its `FAMILY`, its entry in
@@ -21,57 +21,12 @@ Torch-free at import: the planner reads shapes through it.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
-
 from kvserve.errors import UnsupportedModelError
+from kvserve.families import gemma, llama, phi3, qwen
+from kvserve.families.base import Family, GGUFMeta, uniform_window  # noqa: F401 (the families' vocabulary)
 
 
-@dataclasses.dataclass(frozen=True)
-class GGUFMeta:
-    """A GGUF's metadata as a family reads it: `get("attention.sliding_window")` is the field
-    under the file's architecture prefix (None if absent), with the dimensions already read."""
-
-    prefix: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    fields: Callable[[str], Any]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self.fields(f"{self.prefix}.{key}")
-        return default if value is None else value
-
-
-def _no_options(*_args) -> dict[str, Any]:
-    return {}
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str
-    model_types: tuple[str, ...]
-    gguf_archs: dict[str, str]  # GGUF general.architecture -> model_type
-    hf_options: Callable[[dict[str, Any], str], dict[str, Any]] = _no_options
-    gguf_options: Callable[[GGUFMeta, str], dict[str, Any]] = _no_options
-    gguf_layer_tensors: dict[str, str] = dataclasses.field(default_factory=dict)
-    prepare_weights: Callable[[dict, Any, Any], None] | None = None
-
-
-def uniform_window(config: dict[str, Any], by_default: bool) -> int | None:
-    """A config's sliding window where it is on (`use_sliding_window`, on by default for the
-    families whose configs leave it out), else None."""
-    return config.get("sliding_window") if config.get("use_sliding_window", by_default) else None
-
-
-def _families() -> tuple[Family, ...]:
-    from kvserve.model.families import gemma, llama, phi3, qwen
-
-    return (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, gemma.FAMILY)
-
-
-FAMILIES: tuple[Family, ...] = _families()
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, gemma.FAMILY)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 # GGUF general.architecture -> HF model_type, and the other way (the name llama.cpp gives each)
 GGUF_TO_HF_ARCH: dict[str, str] = {g: t for f in FAMILIES for g, t in f.gguf_archs.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.model.families import Family, GGUFMeta, uniform_window
+from kvserve.families.base import Family, GGUFMeta, uniform_window
 
 # a global layer every this many (transformers' sliding_window_pattern; llama.cpp fixes them)
 GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
