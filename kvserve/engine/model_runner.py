@@ -274,7 +274,12 @@ class ModelRunner:
             query_start += m
 
         decode_slots = decode_mask = decode_lens = decode_tables = shared_prefix = None
-        kv_positions_read = sum(seg.num_cached + seg.num_new for seg in prefills)
+        # a layer with one sliding window (its group's metadata) reads the window only: a chunk's
+        # rows see at most W - 1 + m positions between them, a decode row W
+        uniform = set(self.model.arch.layer_windows)
+        window = windows[0] if windows else (next(iter(uniform)) if windows is None and len(uniform) == 1 else None)
+        reach = (lambda n, m: n) if window is None else (lambda n, m: min(n, window - 1 + m))
+        kv_positions_read = sum(reach(seg.num_cached + seg.num_new, seg.num_new) for seg in prefills)
         # several prompt chunks over the same cached prefix read it once; the result is the
         # same bits either way (attention/shared_prefix_plan.py), so no cost rule beyond the flag
         prefill_sharing = None
@@ -291,7 +296,7 @@ class ModelRunner:
         windowed = self._windowed_rows(ordered, block_tables, row_tables, self.windows if windows is None else windows)
         if decodes:
             lens_list = [s.request.num_computed_tokens + 1 for s in decodes]
-            kv_positions_read += sum(lens_list)
+            kv_positions_read += sum(reach(n, 1) for n in lens_list)
             # a plan is built only where this step's attention runs it, so the engine counts
             # what the metadata carries: not under row_tables, and not for fp32 queries on the
             # kernels (they take bf16 ones, over bf16 or int8 pools; the plain decode kernel

@@ -45,13 +45,20 @@ def test_a_request_past_its_window_gives_blocks_back_as_it_decodes(gemma3):
     assert groups is not None and groups.group_windows.count(None) == 1 and groups.num_groups == 7
     prompt = list(range(5, 45))  # 40 positions, five windows
     engine.add_request("r", prompt, GREEDY)
-    held, frees = [], []
+    held, frees, reads = [], [], []
+    c_kv = engine.layout.kv_bytes_per_position
     while engine.has_unfinished_requests():
+        before = engine.counters.attention_kv_bytes_read_without_sharing
         engine.step()
         req = next((r for r in engine.scheduler.running if r.request_id == "r"), None)
         if req is not None:
             held.append((req.num_computed_tokens, kv.num_blocks_held("r")))
             frees.append(kv.num_window_frees)
+            reads.append(engine.counters.attention_kv_bytes_read_without_sharing - before)
+    # KV read per decode step, averaged over the layers: the global layer its n positions, each
+    # of the 6 local ones its window's 8
+    for (n, _), read in list(zip(held, reads))[1:]:
+        assert read == (n + 6 * min(n, WINDOW)) // 7 * c_kv, (n, read)
     # every decode step: exactly what the report's, the planner's and the simulator's formula holds
     for n, blocks in held[1:]:
         assert blocks == groups.blocks_held(n, BS), (n, blocks)
