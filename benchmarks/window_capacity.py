@@ -17,13 +17,6 @@ from kvserve.engine.describe import describe
 from kvserve.engine.engine import LLMEngine
 
 
-def requests_that_fit(engine: LLMEngine) -> int:
-    layout, n = engine.layout, engine.max_model_len
-    if layout.groups is None:
-        return layout.num_blocks // -(-n // layout.block_size)
-    return (layout.num_blocks - layout.groups.reserved_blocks) // layout.groups.blocks_held(n, layout.block_size)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -36,7 +29,7 @@ def main() -> None:
         lines = [line for line in describe(engine).splitlines()[:3] if "KV cache" in line or line.startswith("sliding")]
         print(f"== {what} (--kv-role {role})")
         print("\n".join(lines))
-        print(f"requests of {engine.max_model_len} positions that fit: {requests_that_fit(engine)}; "
+        print(f"requests of {engine.max_model_len} positions that fit: {engine.layout.requests_that_fit(engine.max_model_len)}; "
               f"positions of requests within the window: {engine.layout.num_tokens}")  # fmt: skip
         engine.release()
 

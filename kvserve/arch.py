@@ -282,8 +282,6 @@ class ModelArchitecture:
         # a config of a type no family reads (the planner's) is read as a Llama
         options = family_of(model_type).hf_options(config, model_type) if model_type in SUPPORTED_ARCHITECTURES else {}
         options.setdefault("attention_bias", bool(config.get("attention_bias", False)))
-        if options.get("sliding_window") is not None and config.get("layer_types"):
-            options.setdefault("layer_types", tuple(config["layer_types"]))
         arch = cls(
             architecture=model_type,
             vocab_size=config["vocab_size"],

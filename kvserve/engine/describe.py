@@ -55,12 +55,11 @@ def sliding_window_line(engine: LLMEngine) -> str:
         return line + f"the pool keeps every position's KV in every layer ({why}: KV moves by whole blocks)\n"
     n = engine.max_model_len
     held = groups.blocks_held(n, layout.block_size)
-    usable = layout.num_blocks - groups.reserved_blocks
     return line + (
         f"KV held to the window: {groups.num_groups} KV groups ({groups.describe()}), blocks of "
         f"{layout.block_size} positions x {groups.layers_per_block} layers ({layout.block_bytes:,} bytes); "
         f"a request of {n} positions holds {held} blocks ({groups.positions_held(n):,} layer-positions), "
-        f"{usable // held if held else 0} such requests fit; requests within the window: {layout.num_tokens} positions\n"
+        f"{layout.requests_that_fit(n)} such requests fit; requests within the window: {layout.num_tokens} positions\n"
     )
 
 

@@ -60,8 +60,8 @@ class KVCacheManager:
     def tables(self, request_ids: list[str]) -> tuple[dict[str, list[int]], dict[str, list[list[int]]] | None]:
         """What a SchedulerOutput carries for these requests: each one's table, and with
         several KV groups its table in each (None without)."""
-        tables = {rid: self.block_ids(rid) for rid in request_ids}
-        return tables, ({rid: self.group_block_ids(rid) for rid in request_ids} if self.groups.grouped else None)
+        per_group = {rid: self.group_block_ids(rid) for rid in request_ids}
+        return {rid: t[0] for rid, t in per_group.items()}, (per_group if self.groups.grouped else None)
 
     def num_blocks_held(self, request_id: str) -> int:
         """Blocks the request holds now, every group's."""

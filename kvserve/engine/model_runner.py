@@ -72,6 +72,12 @@ class KVPoolLayout:
         g = self.kv_groups
         return g.max_request_positions(self.num_blocks, self.block_size, chunk) if g.windowed else self.num_tokens
 
+    def requests_that_fit(self, num_positions: int) -> int:
+        """Requests of `num_positions` (decoding) the pool holds at once."""
+        g = self.kv_groups
+        held = g.blocks_held(num_positions, self.block_size) if g.windowed else -(-num_positions // self.block_size)
+        return (self.num_blocks - g.reserved_blocks) // held if held else 0
+
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_bytes
@@ -163,7 +169,12 @@ class ModelRunner:
             model.bind_kv_cache(pools[0], pools[1], kv_groups=layer_group)
         # the decode-attention kernel walks block tables itself: no slot lists or masks needed
         self.decode_reads_pool_in_place = model.kernels.decode_attention.enabled
-        self.windows = sorted({w for w in model.arch.layer_windows if w is not None})  # the layers' sliding windows
+        windows = model.arch.layer_windows
+        self.windows = sorted({w for w in windows if w is not None})  # the layers' sliding windows
+        # the window of every layer where they all share one (the KV-read counters clip to it)
+        self.uniform_window = windows[0] if len(set(windows)) == 1 else None
+        # real layers per KV group (GroupedMetadata's averages)
+        self.layers_per_group = [list(groups.layer_group).count(g) for g in range(groups.num_groups)] if groups else [arch.num_layers]
         self.sampler = Sampler(model.kernels.op("argmax_rows"))
 
     def execute_model(
@@ -239,8 +250,7 @@ class ModelRunner:
                                      windows=[] if w is None else [w])
             for g, w in enumerate(groups.group_windows)
         ]  # fmt: skip
-        layers = [sum(1 for x in groups.layer_group if x == g) for g in range(groups.num_groups)]
-        return GroupedMetadata(metas, layers)
+        return GroupedMetadata(metas, self.layers_per_group)
 
     def _attention_metadata(
         self, ordered: list[ScheduledRequest], block_tables: dict[str, list[int]], windows: list[int] | None = None
@@ -276,8 +286,7 @@ class ModelRunner:
         decode_slots = decode_mask = decode_lens = decode_tables = shared_prefix = None
         # a layer with one sliding window (its group's metadata) reads the window only: a chunk's
         # rows see at most W - 1 + m positions between them, a decode row W
-        uniform = set(self.model.arch.layer_windows)
-        window = windows[0] if windows else (next(iter(uniform)) if windows is None and len(uniform) == 1 else None)
+        window = windows[0] if windows else (self.uniform_window if windows is None else None)
         reach = (lambda n, m: n) if window is None else (lambda n, m: min(n, window - 1 + m))
         kv_positions_read = sum(reach(seg.num_cached + seg.num_new, seg.num_new) for seg in prefills)
         # several prompt chunks over the same cached prefix read it once; the result is the

@@ -45,3 +45,12 @@ def uniform_window(config: dict[str, Any], by_default: bool) -> int | None:
     """A config's sliding window where it is on (`use_sliding_window`, on by default for the
     families whose configs leave it out), else None."""
     return config.get("sliding_window") if config.get("use_sliding_window", by_default) else None
+
+
+def layer_kinds(config: dict[str, Any], window: int | None, fallback: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Each layer's attention kind where a window is on: the config's `layer_types` where it
+    lists them, else the family's own rule (`fallback`); empty without a window (or where every
+    layer slides alike)."""
+    if window is None:
+        return ()
+    return tuple(config.get("layer_types") or fallback)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.families.base import Family, GGUFMeta, uniform_window
+from kvserve.families.base import Family, GGUFMeta, layer_kinds, uniform_window
 
 # a global layer every this many (transformers' sliding_window_pattern; llama.cpp fixes them)
 GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
@@ -37,7 +37,7 @@ def hf_options(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
         attn_logit_softcapping=_positive_or_none(config.get("attn_logit_softcapping")),
         final_logit_softcapping=_positive_or_none(config.get("final_logit_softcapping")),
-        layer_types=tuple(config.get("layer_types") or (gemma_layer_types(layers, every) if window else ())),
+        layer_types=layer_kinds(config, window, gemma_layer_types(layers, every)),
     )  # fmt: skip
     if model_type == "gemma3_text":
         per_type = config.get("rope_parameters") or {}

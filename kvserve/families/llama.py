@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.families.base import Family, uniform_window
+from kvserve.families.base import Family, layer_kinds, uniform_window
 
 
 def hf_options(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    return {"sliding_window": uniform_window(config, by_default=model_type == "mistral")}
+    window = uniform_window(config, by_default=model_type == "mistral")
+    return {"sliding_window": window, "layer_types": layer_kinds(config, window)}
 
 
 FAMILY = Family("llama", ("llama", "mistral"), {"llama": "llama", "mistral": "mistral"}, hf_options)

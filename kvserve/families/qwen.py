@@ -6,19 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.families.base import Family, uniform_window
+from kvserve.families.base import Family, layer_kinds, uniform_window
 
 
 def hf_options(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     window = uniform_window(config, by_default=False)
-    options: dict[str, Any] = {"sliding_window": window}
+    # transformers' Qwen2 rule where the config lists no kinds: the layers from max_window_layers on slide
+    first = int(config.get("max_window_layers", 28))
+    rule = tuple("sliding_attention" if i >= first else "full_attention" for i in range(config["num_hidden_layers"]))
+    options: dict[str, Any] = {"sliding_window": window, "layer_types": layer_kinds(config, window, rule)}
     if model_type == "qwen2":
         options["attention_bias"] = True
-        if window is not None and not config.get("layer_types"):  # transformers' rule where the config lists no kinds
-            first = int(config.get("max_window_layers", 28))
-            options["layer_types"] = tuple(
-                "sliding_attention" if i >= first else "full_attention" for i in range(config["num_hidden_layers"])
-            )
     else:
         options["qk_norm"] = True
     return options
