@@ -1,19 +1,16 @@
 """What each kernel build compiles, with which flags, and where it is cached.
 
-One build per ISA level (kvserve/kernels/isa.py). Every build compiles the same torch glue
-(bindings.cpp, linear.cpp, fused_decode.cpp, shared_prefix_decode.cpp, families.cpp, checks.cpp:
-no intrinsics) over one family source tree:
+One build per ISA level (kvserve/kernels/isa.py), every one from the same sources: the torch
+glue (bindings.cpp, linear.cpp, fused_decode.cpp, shared_prefix_decode.cpp, families.cpp,
+checks.cpp: no intrinsics), the torch-free kernel core (core/: one source per op family on raw
+pointers, written in core/simd.h's vocabulary, which maps it onto the level's instructions) and
+its thin torch layer (ops/: one file per family). The `amx` level adds the one family only
+it has (core/amx/, ops/amx/: the AMX tile GEMM), in place of ops/absent.cpp's refusals.
 
-    avx2, avx512-vnni   core/ (torch-free kernels on raw pointers, simd.h's vocabulary) with
-                        portable/ (their torch layer, one file per family)
-    avx512-bf16, amx    avx512_bf16/ (AVX512-BF16 intrinsics; the AMX paths are compiled in
-                        only at `amx`)
-
-The compiler is given four or fewer units a build, not one per file: bindings.cpp alone (the
-slowest, pybind11), and each group of sources (the rest of the glue, core/, portable/,
-avx512_bf16/) as one generated file that #includes them, so ATen's headers and templates are
-compiled once a group (avx512_bf16/'s nine files: 23 s of CPU as one unit, 68 s apart; a whole
-portable build 117 s -> about 60 s). The sources are written for it: no two files of a group
+The compiler is given four units a build, not one per file: bindings.cpp alone (the slowest,
+pybind11), and each group of sources (the rest of the glue, core/, ops/) as one generated
+file that #includes them, so ATen's headers and templates are compiled once a group (a whole
+build 117 s -> about 60 s of CPU). The sources are written for it: no two files of a group
 share a name at file scope.
 
 A level with nothing of its own runs the build below it (`avx512` runs `avx2`'s). Each
@@ -37,16 +34,20 @@ _COMMON_FLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines
 
 @dataclasses.dataclass(frozen=True)
 class KernelBuild:
-    """One compiled module: the level it targets, its family tree, its compiler flags."""
+    """One compiled module: the level it targets, its compiler flags, whether it has AMX tiles."""
 
     level: str
-    tree: str  # "portable" (core/ + portable/) or "avx512_bf16"
     isa_flags: tuple[str, ...]
+    amx: bool = False
 
     def _groups(self) -> dict[str, list[Path]]:
         """The sources compiled as one unit each, by the unit's name (bindings.cpp is apart)."""
-        trees = ["core", "portable"] if self.tree == "portable" else [self.tree]
-        return {"glue": [HERE / n for n in _GLUE[1:]], **{t: sorted((HERE / t).glob("*.cpp")) for t in trees}}
+        core = sorted((HERE / "core").glob("*.cpp"))
+        ops = sorted(p for p in (HERE / "ops").glob("*.cpp") if not (self.amx and p.name == "absent.cpp"))
+        if self.amx:
+            core += sorted((HERE / "core" / "amx").glob("*.cpp"))
+            ops += sorted((HERE / "ops" / "amx").glob("*.cpp"))
+        return {"glue": [HERE / n for n in _GLUE[1:]], "core": core, "ops": ops}
 
     @property
     def sources(self) -> list[Path]:
@@ -67,7 +68,7 @@ class KernelBuild:
 
     @property
     def headers(self) -> list[Path]:
-        dirs = [HERE] + ([HERE / "core", HERE / "portable"] if self.tree == "portable" else [HERE / self.tree])
+        dirs = [HERE, HERE / "core", HERE / "core" / "amx", HERE / "ops"]
         return sorted(p for d in dirs for p in d.glob("*.h"))
 
     @property
@@ -98,10 +99,10 @@ _X86_V4 = ("-march=x86-64-v4", "-mtune=generic")
 _AVX512_BF16 = (*_X86_V4, "-mavx512vnni", "-mavx512bf16")
 
 BUILDS: dict[str, KernelBuild] = {
-    "avx2": KernelBuild("avx2", "portable", _X86_V3),
-    "avx512-vnni": KernelBuild("avx512-vnni", "portable", (*_X86_V4, "-mavx512vnni")),
-    "avx512-bf16": KernelBuild("avx512-bf16", "avx512_bf16", _AVX512_BF16),
-    "amx": KernelBuild("amx", "avx512_bf16", (*_AVX512_BF16, "-mamx-tile", "-mamx-bf16")),
+    "avx2": KernelBuild("avx2", _X86_V3),
+    "avx512-vnni": KernelBuild("avx512-vnni", (*_X86_V4, "-mavx512vnni")),
+    "avx512-bf16": KernelBuild("avx512-bf16", _AVX512_BF16),
+    "amx": KernelBuild("amx", (*_AVX512_BF16, "-mamx-tile", "-mamx-bf16"), amx=True),
 }
 
 # the build each level runs: its own, or the one below it where it has nothing of its own

@@ -1,9 +1,9 @@
 // Everything a level's build exports, declared once: to the torch glue every build shares
 // (bindings.cpp binds it all, linear.cpp dispatches a Projection, fused_decode.cpp runs a
 // decode step's layers, shared_prefix_decode.cpp a decode batch's shared-prefix plan,
-// checks.cpp holds shared argument checks) and to the family sources of each tree, which
-// implement it: avx512_bf16/<family>.cpp (levels avx512-bf16 and amx) and
-// portable/<family>.cpp over the torch-free core/ (levels avx2 and avx512-vnni). Families:
+// checks.cpp holds shared argument checks) and to the family sources, which implement it:
+// ops/<family>.cpp over the torch-free core/, one source per family at every level (the
+// amx build adds ops/amx/ over core/amx/). Families:
 //
 //   gemv                     gemv_bf16, gemv_vnni, gemm_vnni, amx_pack_weight: bf16 projections
 //   amx_linear               amx_available, amx_linear(_silu_mul, _argmax) (AMX tiles; refusals elsewhere)
@@ -86,7 +86,7 @@ inline constexpr KernelLimit kKernelLimits[] = {
 
 // Each level's build (kvserve/kernels/build.py) is compiled with -DKVSERVE_LEVEL_NAME="<level>"
 // and implements every function below, some as refusals where the level lacks the family
-// (a portable build has no AMX). The source file of each family that does run registers it
+// (only the amx build has AMX). The source file of each family that does run registers it
 // with KVSERVE_KERNEL_FAMILY(name); families() in Python lists them with their level, and
 // kvserve/kernels/support.py turns off the kernels of a family that is not registered.
 #ifndef KVSERVE_LEVEL_NAME
@@ -124,10 +124,8 @@ at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::
 
 // ---- decode_attention.cpp -----------------------------------------------------------------
 
-// bf16 pools take AMX tiles for the scores where amx_available() (the `amx` level's build, the
-// tiles granted); the `avx512-bf16` build of the same source runs its vector path.
-// int8 pools (an int8 KV cache) come with their scales [num_blocks, block_size, N_kv] fp32 and
-// run the AVX512 path whatever the CPU (bf16 or fp32 queries); float pools take none.
+// bf16, fp32 or int8 pools; int8 pools (an int8 KV cache) come with their scales
+// [num_blocks, block_size, N_kv] fp32 (bf16 or fp32 queries); float pools take none.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                   at::Tensor block_tables, at::Tensor context_lens, double scale,
                                   c10::optional<at::Tensor> k_scale = c10::nullopt,

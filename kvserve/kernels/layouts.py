@@ -1,6 +1,6 @@
 """The packed weight layouts the kernels read, and every reshuffle of them outside C++.
 
-Every kernel level (AVX512-BF16/AMX, and the portable levels) reads the same two packed
+Every kernel level reads the same two packed
 layouts, so a weight is packed once at load and the model, its linear methods and the
 tensor-parallel sharding never index into them themselves: they call here. Both layouts are
 cut into groups of GROUP output columns (weight rows) and blocks of BLOCK inputs (weight

@@ -177,14 +177,13 @@ class KernelSupport:
                 softcapped,
             ],
             f"in place over the block tables, g={g} query heads per KV row read"
-            # int8 rows are widened in registers; AMX tiles read bf16 pools only
-            + (" (int8 K/V dequantized in registers)" if int8_kv else " (AMX tiles)" if amx and bf16 else ""),
+            + (" (int8 K/V dequantized in registers)" if int8_kv else ""),
         )
         prefill_attention = verdict(
             [family("prefill_attention"), None if bf16 else "bfloat16 only", kv_problem,
              multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim"), softcapped],
             # int8 K/V are packed into the same bf16 tiles (exactly), their scales applied to scores and probabilities
-            "packed K/V tiles" + (" from int8 pools" if int8_kv else "") + (" on AMX" if amx else f" at {families.get('prefill_attention')}"),
+            "packed K/V tiles" + (" from int8 pools" if int8_kv else "") + f" at {families.get('prefill_attention')}",
         )
         rms_norm = verdict([family("norm_rope_act"), multiple(arch.hidden_size, lim["rms_norm_width_multiple"], "hidden_size")], "fused residual add")
         rope_and_cache = verdict(

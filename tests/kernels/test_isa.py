@@ -101,7 +101,7 @@ _ZMM = re.compile(r"%zmm|%k[1-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
 # its flags are checked on one family source compiled alone, one that must use the level's
 # own instructions (VPDPBUSD in quant_linear, VDPBF16PS in the bf16 GEMV, tiles in amx_linear).
 _REPRESENTATIVE = {"avx2": "core/quant_linear_core.cpp", "avx512-vnni": "core/quant_linear_core.cpp",
-                   "avx512-bf16": "avx512_bf16/gemv.cpp", "amx": "avx512_bf16/amx_linear.cpp"}
+                   "avx512-bf16": "core/gemv_core.cpp", "amx": "core/amx/amx_linear_core.cpp"}
 
 
 def _objdump(path: str) -> list[str]:

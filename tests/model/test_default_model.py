@@ -43,6 +43,10 @@ def test_logits_match_transformers_prefill_and_decode(engine_fp32, reference):
 
 def test_capital_of_france():
     llm = LLM(kv_cache_memory="64MiB")  # the default dtype: bf16 where the CPU has it
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))
+    # "What is the capital of France?" alone starts with a first-token margin of 0.08 in fp32
+    # ("The" over "L'"), which bf16 rounding flips at some kernel levels (the same KL to fp32
+    # at each: `kvserve bench quality`); asking for one word makes it 1.5 at every level
+    question = "What is the capital of France? Answer in one word."
+    out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=32))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # ended on <|im_end|>, an EOS of the model

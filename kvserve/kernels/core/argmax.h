@@ -1,7 +1,6 @@
-// Greedy sampling's row-wise argmax, torch-free (the core of kernels.h's argmax_rows at the
-// portable levels): out[r] = the index of the largest of x[r, 0..V), ties to the lowest index
+// Greedy sampling's row-wise argmax, torch-free (the core of kernels.h's argmax_rows): out[r] = the index of the largest of x[r, 0..V), ties to the lowest index
 // (as torch.argmax). Exact: comparisons only, so the result never depends on how a row is
-// split into vectors, chunks or threads. NaN is never chosen (the AVX512 build's behaviour).
+// split into vectors, chunks or threads. NaN is never chosen.
 // A row of all -inf (or V = 0) gives 0.
 #pragma once
 #include <cstdint>

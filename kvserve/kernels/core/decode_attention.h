@@ -1,4 +1,4 @@
-// Paged decode attention at the portable levels, torch-free (the core of kernels.h's
+// Paged decode attention, torch-free (the core of kernels.h's
 // paged_decode_attention and paged_decode_attention_lse): one query row per request, its
 // g = N_q / N_kv query heads per KV head reading each K/V row of that head once, in place in
 // the block pool through the block table.
@@ -11,8 +11,10 @@
 //   score = (q·k summed in fp32) · scale      (int8: · k_scale · scale)
 //   online softmax in fp32 over tiles of kTile positions: running max, the sum of the fp32
 //   e^(score - max), the output accumulators rescaled when the max grows;
-//   P·V in fp32 with P = e^(score - max) rounded to bf16 for bf16 pools (as the AVX512-BF16
-//   build's dpbf16 product takes it), fp32 for fp32 pools, fp32 times the V scale for int8;
+//   P·V in fp32 with P = e^(score - max) rounded to bf16 for bf16 pools (as a bf16 pair dot
+//   takes it), fp32 for fp32 pools, fp32 times the V scale for int8;
+// At the bf16 pair-dot levels (simd::kBf16Dot) with bf16 queries and pools, q·k sums feature
+// pairs and P·V position pairs, one VDPBF16PS each, in order.
 //   out = acc / Σ, lse = max + log Σ.
 // A row's positions [start, len) are cut into splits of kSplit positions counted from its
 // start (each split its own online softmax), merged in order: the split depends on the row's
@@ -29,7 +31,9 @@ namespace decode_attention {
 
 constexpr int64_t kMaxQueriesPerKvHead = 16;  // kernels.h kDecodeAttentionMaxQueriesPerKvHead
 constexpr int64_t kMaxHeadDim = 128;          // kernels.h kDecodeAttentionMaxHeadDim
-constexpr int64_t kTile = 32;                 // positions per online-softmax step
+// positions per online-softmax step (the pair levels: 64, half the per-step work of rescaling
+// and bookkeeping per position; their dot products leave that work a larger share)
+constexpr int64_t kTile = 32;
 constexpr int64_t kSplit = 256;               // positions per split (a multiple of kTile)
 
 enum class PoolType { kBf16, kFp32, kInt8 };

@@ -1,8 +1,10 @@
 // Paged decode attention, torch-free (decode_attention.h states the contract and the arithmetic).
 //
-// Work: items (row b, split of kSplit positions, run of KV heads), OpenMP-scheduled. An item
-// walks its positions in tiles of kTile (the next tile's slot rows prefetched into L2: blocks sit
-// anywhere in the pool) and, per tile, for each of its KV heads runs one online-softmax step of
+// Work: items (row b, split of kSplit positions, run of KV heads); each thread takes a
+// contiguous run of items holding about its share of the positions. An item walks its
+// positions in tiles of kTile (the rows of the tile after, or of the thread's next item,
+// trickled into L2 meanwhile: blocks sit anywhere in the pool) and, per tile, for each of its
+// KV heads runs one online-softmax step of
 // that head's g query heads. An item takes all the KV heads of its slots (each slot's rows one
 // contiguous run) unless that leaves fewer than two items per thread; which heads share an item
 // never changes a head's arithmetic. Per KV head and tile:
@@ -18,7 +20,9 @@
 // bf16 rows widen in "lane order": the 16 bf16 of a 256-bit load give the even features (the
 // low halves, shifted up) and the odd ones (the high halves, masked), so the queries are laid
 // out in that order and the output is put back in feature order at the end. fp32 and int8
-// rows keep feature order.
+// rows keep feature order. At the bf16 pair-dot levels (Bf16PairRows) no row is widened: a
+// score is one VDPBF16PS per 16 features against the query's pairs as stored, and the V pass
+// pairs two positions per VDPBF16PS (their rows unpacked into feature pairs, P as bf16 pairs).
 //
 // An item's arithmetic depends on its row's q, its K/V rows and its range only: items of
 // rows with one split finalise their output directly, the others leave (acc, max, Σ) for a
@@ -51,6 +55,7 @@ inline float exp1(float x) { return _mm256_cvtss_f32(simd::exp8(_mm256_set1_ps(x
 struct Bf16Rows {
   using Elem = uint16_t;
   static constexpr int64_t kBytes = 2;
+  static constexpr bool kPairDot = false;
   // lanes: the even features 2l, then the odd ones 2l + 1 (l = 0..7)
   static inline void load16(const uint16_t* p, __m256& a, __m256& b) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -60,9 +65,21 @@ struct Bf16Rows {
   static constexpr int feature(int i) { return 2 * (i % 8) + i / 8; }  // lane-order index i -> feature
 };
 
+// bf16 rows read by bf16 pair dots (simd::kBf16Dot, bf16 queries): scores take the query's
+// pairs as they are stored; the V pass pairs two positions feature by feature (unpacklo/hi of
+// their rows), so its accumulators hold, per 16 features, unpacklo's features 0-3, 8-11, then
+// unpackhi's 4-7, 12-15
+struct Bf16PairRows {
+  using Elem = uint16_t;
+  static constexpr int64_t kBytes = 2;
+  static constexpr bool kPairDot = true;
+  static constexpr int feature(int i) { return i < 8 ? (i < 4 ? i : i + 4) : (i < 12 ? i - 4 : i); }
+};
+
 struct F32Rows {
   using Elem = float;
   static constexpr int64_t kBytes = 4;
+  static constexpr bool kPairDot = false;
   static inline void load16(const float* p, __m256& a, __m256& b) {
     a = _mm256_loadu_ps(p);
     b = _mm256_loadu_ps(p + 8);
@@ -73,6 +90,7 @@ struct F32Rows {
 struct I8Rows {
   using Elem = int8_t;
   static constexpr int64_t kBytes = 1;
+  static constexpr bool kPairDot = false;
   static inline void load16(const int8_t* p, __m256& a, __m256& b) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
@@ -96,6 +114,20 @@ inline __m256 dots(const float* qf, const typename R::Elem* const* rows, int64_t
   __m256 acc[G * P];
 #pragma GCC unroll 8
   for (int i = 0; i < G * P; ++i) acc[i] = _mm256_setzero_ps();
+  if constexpr (R::kPairDot) {  // q as bf16 pairs (qf rows reinterpreted), one VDPBF16PS per 16 features
+    for (int64_t c = 0; c < H; c += 16) {
+      __m256i qv[G];
+#pragma GCC unroll 2
+      for (int j = 0; j < G; ++j) qv[j] = simd::load16_bf16(reinterpret_cast<const uint16_t*>(qf + j * kQStride) + c);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const __m256i kv = simd::load16_bf16(rows[p] + off + c);
+#pragma GCC unroll 2
+        for (int j = 0; j < G; ++j) acc[j * P + p] = simd::dot2_bf16(acc[j * P + p], qv[j], kv);
+      }
+    }
+    return reduce8(acc);
+  } else {
   for (int64_t c = 0; c < H; c += 16) {
     __m256 qa[G], qb[G];
 #pragma GCC unroll 2
@@ -115,15 +147,31 @@ inline __m256 dots(const float* qf, const typename R::Elem* const* rows, int64_t
     }
   }
   return reduce8(acc);
+  }
 }
+
+// The lines of the rows that come after the current tile, asked into L2 a few at a time: hook()
+// is called once per 8 positions of each KV head's scores, so the requests trickle out over the
+// whole tile. In one burst per tile (or per KV head: 256 lines for 8 heads of 64) they filled
+// the miss buffers and evicted the rows being read (64 rows of 256 positions from memory: 3.3 ms
+// a call against 2.2 for a kernel that trickled them).
+struct Prefetcher {
+  const char* rows[2 * kTile];  // K rows, then V rows
+  int64_t count = 0, lines_per_row = 0, per_call = 0, next = 0;
+  void hook() {
+    const int64_t total = count * lines_per_row;
+    for (int64_t e = std::min(total, next + per_call); next < e; ++next)
+      _mm_prefetch(rows[next / lines_per_row] + (next % lines_per_row) * 64, _MM_HINT_T1);
+  }
+};
 
 // sc[j·kTile + s] = (q_j·k_s)·mult[s] for the tile's n positions (rows[s] for s < n; rows past
 // n repeat a live one), -inf past n
 template <class R>
 void tile_scores(const float* qf, int64_t g, const typename R::Elem* const* rows, int64_t off, int64_t n, int64_t H,
-                 const float* mult, float* sc) {
-  alignas(32) float tmp[8];
+                 const float* mult, float* sc, Prefetcher& pf) {
   for (int64_t s0 = 0; s0 < kTile; s0 += 8) {
+    pf.hook();
     if (s0 >= n) {
       for (int64_t j = 0; j < g; ++j) _mm256_storeu_ps(sc + j * kTile + s0, _mm256_set1_ps(-INFINITY));
       continue;
@@ -131,11 +179,11 @@ void tile_scores(const float* qf, int64_t g, const typename R::Elem* const* rows
     int64_t j = 0;
     for (; j + 2 <= g; j += 2)
       for (int64_t h = 0; h < 8; h += 4) {
-        _mm256_store_ps(tmp, dots<R, 2, 4>(qf + j * kQStride, rows + s0 + h, off, H));
-        for (int p = 0; p < 4; ++p) {
-          sc[j * kTile + s0 + h + p] = tmp[p] * mult[s0 + h + p];
-          sc[(j + 1) * kTile + s0 + h + p] = tmp[4 + p] * mult[s0 + h + p];
-        }
+        // lanes 0-3: head j's 4 positions, 4-7: head j + 1's
+        const __m256 v = dots<R, 2, 4>(qf + j * kQStride, rows + s0 + h, off, H);
+        const __m128 m4 = _mm_loadu_ps(mult + s0 + h);
+        _mm_storeu_ps(sc + j * kTile + s0 + h, _mm_mul_ps(_mm256_castps256_ps128(v), m4));
+        _mm_storeu_ps(sc + (j + 1) * kTile + s0 + h, _mm_mul_ps(_mm256_extractf128_ps(v, 1), m4));
       }
     if (j < g) _mm256_storeu_ps(sc + j * kTile + s0, _mm256_mul_ps(dots<R, 1, 8>(qf + j * kQStride, rows + s0, off, H),
                                                                    _mm256_loadu_ps(mult + s0)));
@@ -146,9 +194,11 @@ void tile_scores(const float* qf, int64_t g, const typename R::Elem* const* rows
 }
 
 // acc[j][c0 .. c0 + 16C) = acc·alpha[j] + Σ_s p[j][s]·V[s] for heads j0 .. j0 + G, positions in order
+// (pair rows: two positions a step, P as bf16 pairs from pbf, their V rows unpacked into pairs;
+// a last odd position pairs with a live row whose P is 0)
 template <class R, int G, int C>
-void tile_values(const typename R::Elem* const* rows, int64_t off, int64_t n, const float* p, int64_t j0,
-                 const float* alpha, float* acc, int64_t c0) {
+void tile_values(const typename R::Elem* const* rows, int64_t off, int64_t n, const float* p, const uint16_t* pbf,
+                 int64_t j0, const float* alpha, float* acc, int64_t c0) {
   __m256 a[G][2 * C];
 #pragma GCC unroll 4
   for (int j = 0; j < G; ++j) {
@@ -156,6 +206,25 @@ void tile_values(const typename R::Elem* const* rows, int64_t off, int64_t n, co
 #pragma GCC unroll 8
     for (int d = 0; d < 2 * C; ++d) a[j][d] = _mm256_mul_ps(_mm256_loadu_ps(acc + (j0 + j) * kQStride + c0 + d * 8), al);
   }
+  if constexpr (R::kPairDot) {
+    for (int64_t s = 0; s < n; s += 2) {
+      const uint16_t* r0 = rows[s] + off + c0;
+      const uint16_t* r1 = rows[s + 1] + off + c0;  // rows past n repeat a live one (P 0)
+      __m256i pp[G];
+#pragma GCC unroll 4
+      for (int j = 0; j < G; ++j) pp[j] = simd::bcast_pair(pbf + (j0 + j) * kTile + s);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m256i x0 = simd::load16_bf16(r0 + c * 16), x1 = simd::load16_bf16(r1 + c * 16);
+        const __m256i lo = _mm256_unpacklo_epi16(x0, x1), hi = _mm256_unpackhi_epi16(x0, x1);
+#pragma GCC unroll 4
+        for (int j = 0; j < G; ++j) {
+          a[j][2 * c] = simd::dot2_bf16(a[j][2 * c], lo, pp[j]);
+          a[j][2 * c + 1] = simd::dot2_bf16(a[j][2 * c + 1], hi, pp[j]);
+        }
+      }
+    }
+  } else {
   for (int64_t s = 0; s < n; ++s) {
     const typename R::Elem* row = rows[s] + off + c0;
     __m256 pj[G];
@@ -172,6 +241,7 @@ void tile_values(const typename R::Elem* const* rows, int64_t off, int64_t n, co
       }
     }
   }
+  }
 #pragma GCC unroll 4
   for (int j = 0; j < G; ++j)
 #pragma GCC unroll 8
@@ -179,22 +249,26 @@ void tile_values(const typename R::Elem* const* rows, int64_t off, int64_t n, co
 }
 
 template <class R>
-void values_all(const typename R::Elem* const* rows, int64_t off, int64_t n, const float* p, int64_t g, int64_t H,
-                const float* alpha, float* acc) {
+void values_all(const typename R::Elem* const* rows, int64_t off, int64_t n, const float* p, const uint16_t* pbf,
+                int64_t g, int64_t H, const float* alpha, float* acc) {
   const int64_t chunks = H / 16;
   for (int64_t j0 = 0; j0 < g; j0 += 4) {
     const int64_t G = std::min<int64_t>(4, g - j0);
-    const int64_t most = G == 1 ? 4 : G == 2 ? 2 : 1;  // 2·G·C <= 8 accumulators
+    // 2·G·C <= 8 accumulators; 16 where the pair path has the registers (its V rows need no widening)
+    const int64_t most = R::kPairDot && simd::kVecRegs >= 32 ? (G <= 2 ? 4 : 2) : G == 1 ? 4 : G == 2 ? 2 : 1;
     const int64_t C = (most >= 4 && chunks % 4 == 0) ? 4 : (most >= 2 && chunks % 2 == 0) ? 2 : 1;
     for (int64_t c0 = 0; c0 < H; c0 += 16 * C) {
       switch (G * 8 + C) {
-        case 8 + 1: tile_values<R, 1, 1>(rows, off, n, p, j0, alpha, acc, c0); break;
-        case 8 + 2: tile_values<R, 1, 2>(rows, off, n, p, j0, alpha, acc, c0); break;
-        case 8 + 4: tile_values<R, 1, 4>(rows, off, n, p, j0, alpha, acc, c0); break;
-        case 16 + 1: tile_values<R, 2, 1>(rows, off, n, p, j0, alpha, acc, c0); break;
-        case 16 + 2: tile_values<R, 2, 2>(rows, off, n, p, j0, alpha, acc, c0); break;
-        case 24 + 1: tile_values<R, 3, 1>(rows, off, n, p, j0, alpha, acc, c0); break;
-        default: tile_values<R, 4, 1>(rows, off, n, p, j0, alpha, acc, c0); break;
+        case 8 + 1: tile_values<R, 1, 1>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 8 + 2: tile_values<R, 1, 2>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 8 + 4: tile_values<R, 1, 4>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 16 + 1: tile_values<R, 2, 1>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 16 + 2: tile_values<R, 2, 2>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 16 + 4: if constexpr (R::kPairDot) tile_values<R, 2, 4>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 24 + 1: tile_values<R, 3, 1>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 24 + 2: if constexpr (R::kPairDot) tile_values<R, 3, 2>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        case 32 + 2: if constexpr (R::kPairDot) tile_values<R, 4, 2>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
+        default: tile_values<R, 4, 1>(rows, off, n, p, pbf, j0, alpha, acc, c0); break;
       }
     }
   }
@@ -221,12 +295,13 @@ inline void tile_slots(const Args& a, int64_t b, int64_t p0, int64_t n, int64_t*
 // One tile of one KV head: scores, the online softmax step, the V pass (st updated).
 template <class R>
 void tile_step(const Args& a, int64_t kvh, const typename R::Elem* const* krows, const typename R::Elem* const* vrows,
-               const int64_t* slots, int64_t n, const float* qf, const SplitState& st) {
+               const int64_t* slots, int64_t n, const float* qf, const SplitState& st, Prefetcher& pf) {
   const int64_t g = a.num_heads / a.num_kv_heads, H = a.head_dim;
   const bool int8 = a.pool == PoolType::kInt8;
   const int64_t off = kvh * H;
   alignas(32) float sc[kMaxG * kTile];
   alignas(32) float pr[kMaxG * kTile];
+  alignas(32) uint16_t pbf[R::kPairDot ? kMaxG * kTile : 1];  // pair rows: P as the bf16 the V pass takes
   alignas(32) float mult[kTile];
   alignas(32) float vsc[kTile];
   alignas(32) float alpha[kMaxG];
@@ -239,7 +314,7 @@ void tile_step(const Args& a, int64_t kvh, const typename R::Elem* const* krows,
   } else {
     for (int64_t s = 0; s < kTile; ++s) mult[s] = a.scale;
   }
-  tile_scores<R>(qf, g, krows, off, n, H, mult, sc);
+  tile_scores<R>(qf, g, krows, off, n, H, mult, sc, pf);
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < g; ++j) {
     const float* sj = sc + j * kTile;
@@ -256,6 +331,7 @@ void tile_step(const Args& a, int64_t kvh, const typename R::Elem* const* krows,
       float* pj = pr + j * kTile + s;
       if (s >= n) {
         _mm256_storeu_ps(pj, _mm256_setzero_ps());
+        if constexpr (R::kPairDot) std::memset(pbf + j * kTile + s, 0, 8 * sizeof(uint16_t));
         continue;
       }
       __m256 e = simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + s), mv));
@@ -264,24 +340,34 @@ void tile_step(const Args& a, int64_t kvh, const typename R::Elem* const* krows,
       if (R::kBytes == 2) e = simd::round_bf16(e);                    // bf16 pools: P in bf16, as dpbf16 takes it
       else if (int8) e = _mm256_mul_ps(e, _mm256_loadu_ps(vsc + s));  // int8: the V scale on the probability
       _mm256_storeu_ps(pj, e);
+      if constexpr (R::kPairDot) simd::store8(pbf + j * kTile + s, e);  // already bf16: exact
     }
     _mm256_storeu_ps(st.lsum + j * 8, sum);
   }
-  values_all<R>(vrows, off, n, pr, g, H, alpha, st.acc);
+  values_all<R>(vrows, off, n, pr, pbf, g, H, alpha, st.acc);
 }
+
+// Where the rows that follow the current tile are: the next tile of this item or, at its last
+// tile, the first of the thread's next item (row b, positions [p0, p1), KV heads [kvh0, kvh1))
+struct TileRef {
+  int64_t b = -1, p0 = 0, n = 0, kvh0 = 0, kvh1 = 0;
+};
 
 // Online softmax of one item: row b, positions [p0, p1) (whole tiles from p0), KV heads
 // [kvh0, kvh1) (st[h - kvh0], qf rows of g·kQStride per head). A tile's slot rows serve all
 // the item's heads (one contiguous run per slot); each head's arithmetic is its own.
+// While a tile computes, the rows of the one after it (`after`: this item's next tile, else the
+// thread's next item's first) are asked into L2 a KV head's share at a time: blocks sit
+// anywhere in the pool, so the hardware prefetcher restarts at each (Prefetcher says why the
+// requests trickle out).
 template <class R>
 void run_item(const Args& a, int64_t b, int64_t p0, int64_t p1, int64_t kvh0, int64_t kvh1, const float* qf,
-              const SplitState* st) {
+              const SplitState* st, const TileRef& next_item) {
   using Elem = typename R::Elem;
   const int64_t g = a.num_heads / a.num_kv_heads, H = a.head_dim;
   const int64_t slot_stride = a.num_kv_heads * H;
   const Elem* kp = static_cast<const Elem*>(a.k_pool);
   const Elem* vp = static_cast<const Elem*>(a.v_pool);
-  const int64_t pf_off = kvh0 * H * R::kBytes, pf_len = (kvh1 - kvh0) * H * R::kBytes;
   int64_t slots[kTile], next_slots[kTile];
   const Elem* krows[kTile];
   const Elem* vrows[kTile];
@@ -302,22 +388,26 @@ void run_item(const Args& a, int64_t b, int64_t p0, int64_t p1, int64_t kvh0, in
       krows[s] = kp + slot * slot_stride;
       vrows[s] = vp + slot * slot_stride;
     }
-    // the next tile's rows into L2 while this one computes (blocks sit anywhere in the pool;
-    // into L1 they evicted the current tile's)
-    if (t0 + kTile < p1) {
-      const int64_t nn = std::min(kTile, p1 - t0 - kTile);
-      tile_slots(a, b, t0 + kTile, nn, next_slots);
-      for (int64_t s = 0; s < nn; ++s) {
-        const char* kr = reinterpret_cast<const char*>(kp + next_slots[s] * slot_stride) + pf_off;
-        const char* vr = reinterpret_cast<const char*>(vp + next_slots[s] * slot_stride) + pf_off;
-        for (int64_t byte = 0; byte < pf_len; byte += 64) {
-          _mm_prefetch(kr + byte, _MM_HINT_T1);
-          _mm_prefetch(vr + byte, _MM_HINT_T1);
-        }
-      }
+    TileRef after = next_item;
+    if (t0 + kTile < p1) after = TileRef{b, t0 + kTile, std::min(kTile, p1 - t0 - kTile), kvh0, kvh1};
+    int64_t pf_slots[kTile], pf_n = 0;
+    if (after.b >= 0) {
+      tile_slots(a, after.b, after.p0, after.n, pf_slots);
+      pf_n = after.n;
+      if (after.b == b && after.p0 == t0 + kTile) std::memcpy(next_slots, pf_slots, sizeof(int64_t) * pf_n);
     }
+    const int64_t pf_off = after.kvh0 * H * R::kBytes, pf_len = (after.kvh1 - after.kvh0) * H * R::kBytes;
+    Prefetcher pf;
+    pf.count = 2 * pf_n;
+    pf.lines_per_row = (pf_len + 63) / 64;
+    for (int64_t s = 0; s < pf_n; ++s) {
+      pf.rows[s] = reinterpret_cast<const char*>(kp + pf_slots[s] * slot_stride) + pf_off;
+      pf.rows[pf_n + s] = reinterpret_cast<const char*>(vp + pf_slots[s] * slot_stride) + pf_off;
+    }
+    const int64_t hooks = (kvh1 - kvh0) * (kTile / 8);
+    pf.per_call = (pf.count * pf.lines_per_row + hooks - 1) / hooks;
     for (int64_t h = kvh0; h < kvh1; ++h)
-      tile_step<R>(a, h, krows, vrows, slots, n, qf + (h - kvh0) * g * kQStride, st[h - kvh0]);
+      tile_step<R>(a, h, krows, vrows, slots, n, qf + (h - kvh0) * g * kQStride, st[h - kvh0], pf);
   }
   for (int64_t h = kvh0; h < kvh1; ++h)
     for (int64_t j = 0; j < g; ++j) st[h - kvh0].l[j] = simd::hsum8(_mm256_loadu_ps(st[h - kvh0].lsum + j * 8));
@@ -372,6 +462,10 @@ void load_queries(const Args& a, int64_t b, int64_t kvh, float* qf) {
   const int64_t g = a.num_heads / a.num_kv_heads, H = a.head_dim;
   for (int64_t j = 0; j < g; ++j) {
     const int64_t base = (b * a.num_heads + kvh * g + j) * H;
+    if constexpr (R::kPairDot) {  // bf16 as stored, in the float row's bytes
+      std::memcpy(qf + j * kQStride, static_cast<const uint16_t*>(a.q) + base, sizeof(uint16_t) * H);
+      continue;
+    }
     for (int64_t c = 0; c < H; c += 16)
       for (int i = 0; i < 16; ++i) {
         const int64_t d = base + c + R::feature(i);
@@ -437,6 +531,25 @@ void run(const Args& a) {
     return SplitState{base, base + g * kQStride, base + g * kQStride + g, base + g * kQStride + 2 * g};
   };
 
+  // Each thread takes a contiguous run of items holding about its share of the positions, so
+  // it knows the item after the one it computes and can ask for that one's first rows early.
+  std::vector<int64_t> item_pos(n_items + 1, 0);  // positions before each item
+  for (int64_t it = 0; it < n_items; ++it) {
+    const Item& item = items[it];
+    const int64_t start = a.start_positions ? a.start_positions[item.b] : 0;
+    const int64_t p0 = start + item.split * kSplit;
+    item_pos[it + 1] = item_pos[it] + (std::min<int64_t>(a.context_lens[item.b], p0 + kSplit) - p0) * (item.kvh1 - item.kvh0);
+  }
+  auto item_range = [&](int64_t t, int64_t T) {  // the first item of thread t's run
+    const int64_t target = item_pos[n_items] * t / T;
+    return static_cast<int64_t>(std::lower_bound(item_pos.begin(), item_pos.end(), target) - item_pos.begin());
+  };
+  auto item_span = [&](const Item& item, int64_t& p0, int64_t& p1) {
+    const int64_t start = a.start_positions ? a.start_positions[item.b] : 0;
+    p0 = start + item.split * kSplit;
+    p1 = std::min<int64_t>(a.context_lens[item.b], p0 + kSplit);
+  };
+
   // below kParallelMinWork (KV head, position) pairs a second thread costs more than it
   // takes (measured at avx2, one row, 3 KV heads: 2 threads slower up to ~600 positions)
 #pragma omp parallel if (n_items > 1 && positions * nkv >= kParallelMinWork)
@@ -444,12 +557,19 @@ void run(const Args& a) {
     std::vector<float> qf(static_cast<size_t>(per_item * g * kQStride));
     std::vector<float> local(static_cast<size_t>(per_item * part_floats));
     std::vector<SplitState> st(per_item);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n_items; ++it) {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t first = item_range(t, T), last = t + 1 == T ? n_items : item_range(t + 1, T);
+    for (int64_t it = first; it < last; ++it) {
       const Item& item = items[it];
-      const int64_t start = a.start_positions ? a.start_positions[item.b] : 0;
-      const int64_t p0 = start + item.split * kSplit;
-      const int64_t p1 = std::min<int64_t>(a.context_lens[item.b], p0 + kSplit);
+      int64_t p0, p1;
+      item_span(item, p0, p1);
+      TileRef next;
+      if (it + 1 < last) {
+        const Item& ni = items[it + 1];
+        int64_t q0, q1;
+        item_span(ni, q0, q1);
+        next = TileRef{ni.b, q0, std::min(kTile, q1 - q0), ni.kvh0, ni.kvh1};
+      }
       const bool direct = nsplits[item.b] == 1;
       for (int64_t h = item.kvh0; h < item.kvh1; ++h) {
         load_queries<R>(a, item.b, h, qf.data() + (h - item.kvh0) * g * kQStride);
@@ -460,10 +580,11 @@ void run(const Args& a) {
           st[h - item.kvh0] = part_state(part_base[item.b] + h * nsplits[item.b] + item.split);
         }
       }
-      run_item<R>(a, item.b, p0, p1, item.kvh0, item.kvh1, qf.data(), st.data());
+      run_item<R>(a, item.b, p0, p1, item.kvh0, item.kvh1, qf.data(), st.data(), next);
       if (direct)
         for (int64_t h = item.kvh0; h < item.kvh1; ++h) finish<R>(a, item.b, h, &st[h - item.kvh0], 1);
     }
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
     for (int64_t mi = 0; mi < n_merges; ++mi) {
       const int64_t b = merges[mi].first, h = merges[mi].second;
@@ -479,7 +600,10 @@ void run(const Args& a) {
 
 void paged_decode_attention(const Args& a) {
   switch (a.pool) {
-    case PoolType::kBf16: run<Bf16Rows>(a); break;
+    case PoolType::kBf16:
+      if (simd::kBf16Dot && a.q_bf16) run<Bf16PairRows>(a);
+      else run<Bf16Rows>(a);
+      break;
     case PoolType::kFp32: run<F32Rows>(a); break;
     case PoolType::kInt8: run<I8Rows>(a); break;
   }

@@ -1,7 +1,7 @@
-// The gemv family at the portable levels, torch-free: y[M, N] = x[M, K] · w[N, K]ᵀ in bf16
+// The gemv family, torch-free: y[M, N] = x[M, K] · w[N, K]ᵀ in bf16
 // with fp32 accumulation, on the row-major weight (gemv_bf16) or on its VNNI-tile copy
 // (amx_pack_weight's layout, gemv_vnni / gemm_vnni). The layouts and summation orders are
-// described in gemv_core.cpp (named apart from portable/gemv.cpp: torch's build names objects by file name).
+// described in gemv_core.cpp (named apart from ops/gemv.cpp: torch's build names objects by file name).
 #pragma once
 #include <cstdint>
 

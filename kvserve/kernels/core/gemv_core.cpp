@@ -1,4 +1,4 @@
-// The gemv family at the portable levels: y[M, N] = x[M, K] · w[N, K]ᵀ in bf16, fp32 sums,
+// The gemv family: y[M, N] = x[M, K] · w[N, K]ᵀ in bf16, fp32 sums,
 // in 8-lane AVX2/FMA vectors (EVEX-encoded, with 32 vector registers, at avx512-vnni).
 //
 // On the VNNI tiles (gemm_tiles: gemv_vnni and gemm_vnni). Tile (nb, kb) is 16 rows of 64
@@ -54,11 +54,7 @@ namespace KVSERVE_LEVEL_NS {
 namespace gemv {
 namespace {
 
-#if defined(__AVX512VL__)
-constexpr int kVecRegs = 32;  // ymm0-31 with EVEX
-#else
-constexpr int kVecRegs = 16;
-#endif
+constexpr int kVecRegs = simd::kVecRegs;
 
 constexpr int64_t kTileElems = kTileN * kTileK;  // bf16 per tile (1 KiB)
 constexpr int64_t kRowChunk = 72;                // rows of x (fp32) shared per pass of the many-row path
@@ -384,13 +380,128 @@ void panel_range(const float* xp, const RowGroups& groups, const uint16_t* wp, u
   }
 }
 
+// ---- VNNI tiles by bf16 pair dots (kBf16Dot: avx512-bf16 and up) ----------------------------
+
+// Here one VDPBF16PS takes a 32-byte tile row (8 columns × the pair of inputs 2kp, 2kp + 1)
+// and a broadcast pair of x as they are stored, so neither side is widened and there is no
+// panel: every row count runs the same register tile over x and the tiles in place. Each
+// output is one fp32 accumulator, one VDPBF16PS per pair, tiles and pairs in order, whatever
+// the tile's shape, its place in the call or the thread: a row's bits never depend on M.
+
+// R rows of x (bf16, row stride K) × U 8-column vectors (column block u / 2, half u % 2; w:
+// the first block's tiles, block stride bs) over every depth tile, into y (row stride N, at
+// the first block's first column)
+template <int R, int U>
+__attribute__((noinline)) void pair_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t bs, uint16_t* y,
+                                         int64_t N) {
+  __m256 a[R][U];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) a[r][u] = _mm256_setzero_ps();
+  const int64_t KB = K / kTileK;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint16_t* t = w + kb * kTileElems;
+    const uint16_t* xk = x + kb * kTileK;
+#pragma GCC unroll 2
+    for (int kp = 0; kp < 16; ++kp) {
+      __m256i wv[U];
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) wv[u] = simd::load16_bf16(t + (u / 2) * bs + kp * 32 + (u % 2) * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i xp = simd::bcast_pair(xk + r * K + 2 * kp);
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) a[r][u] = simd::dot2_bf16(a[r][u], xp, wv[u]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) simd::store8(y + r * N + u * 8, a[r][u]);
+}
+
+// vectors per tile for R rows: enough sums in flight to hide VDPBF16PS's latency where the
+// rows are few, within the registers (R·U accumulators + U weights + a broadcast)
+constexpr int pair_vectors(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : rows <= 6 ? 4 : 2; }
+constexpr int kPairRows = 6;  // rows per tile past the decode sizes: 6 × 32 columns
+
+template <int U>
+void pair_rows(int rows, const uint16_t* x, int64_t K, const uint16_t* w, int64_t bs, uint16_t* y, int64_t N) {
+  switch (rows) {
+    case 1: if constexpr (U <= pair_vectors(1)) pair_tile<1, U>(x, K, w, bs, y, N); break;
+    case 2: if constexpr (U <= pair_vectors(2)) pair_tile<2, U>(x, K, w, bs, y, N); break;
+    case 3: if constexpr (U <= pair_vectors(3)) pair_tile<3, U>(x, K, w, bs, y, N); break;
+    case 4: if constexpr (U <= pair_vectors(4)) pair_tile<4, U>(x, K, w, bs, y, N); break;
+    case 5: if constexpr (U <= pair_vectors(5)) pair_tile<5, U>(x, K, w, bs, y, N); break;
+    case 6: if constexpr (U <= pair_vectors(6)) pair_tile<6, U>(x, K, w, bs, y, N); break;
+    case 7: if constexpr (U <= pair_vectors(7)) pair_tile<7, U>(x, K, w, bs, y, N); break;
+    case 8: if constexpr (U <= pair_vectors(8)) pair_tile<8, U>(x, K, w, bs, y, N); break;
+    default: break;  // never: rows <= 8
+  }
+}
+
+// `rows` (1..8) rows against column blocks [nb0, nb1), up to pair_vectors(rows) / 2 blocks a tile
+void pair_range(const uint16_t* x, int rows, const uint16_t* wp, uint16_t* y, int64_t K, int64_t N, int64_t nb0,
+                int64_t nb1) {
+  const int64_t bs = (K / kTileK) * kTileElems;
+  const int B = pair_vectors(rows) / 2;
+  for (int64_t nb = nb0; nb < nb1;) {
+    const int b = group_blocks(B, nb, nb1);
+    const uint16_t* w = wp + nb * bs;
+    uint16_t* yb = y + nb * kTileN;
+    switch (b) {
+      case 4: pair_rows<8>(rows, x, K, w, bs, yb, N); break;
+      case 2: pair_rows<4>(rows, x, K, w, bs, yb, N); break;
+      default: pair_rows<2>(rows, x, K, w, bs, yb, N); break;
+    }
+    nb += b;
+  }
+}
+
+// M rows: up to kPairRows in one pass over the weight; more (7 and 8 as two tiles of 4 rows × 32
+// columns, faster than one of 8 × 16) in chunks of kRowChunk rows
+// whose x stays in L2, each thread's column blocks taken a pair at a time against every row
+// group of the chunk (the pair's tiles then come from L2 for all but the first group)
+void pair_gemm(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, int64_t K, int64_t N, bool parallel) {
+  const int64_t NB = N / kTileN;
+  if (M <= kPairRows) {
+#pragma omp parallel if (parallel)
+    {
+      int64_t nb0, nb1;
+      thread_range(NB, nb0, nb1);
+      pair_range(x, static_cast<int>(M), wp, y, K, N, nb0, nb1);
+    }
+    return;
+  }
+#pragma omp parallel if (parallel)
+  {
+    int64_t nb0, nb1;
+    thread_range(NB, nb0, nb1);
+    for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
+      const int64_t rows = std::min(kRowChunk, M - r0);
+      const int64_t count = (rows + kPairRows - 1) / kPairRows;
+      for (int64_t nb = nb0; nb < nb1; nb += 2) {
+        const int64_t e = std::min(nb1, nb + 2);
+        for (int64_t g = 0; g < count; ++g) {
+          const int64_t m0 = r0 + g * (rows / count) + std::min(g, rows % count);
+          const int r = static_cast<int>(rows / count + (g < rows % count ? 1 : 0));
+          pair_range(x + m0 * K, r, wp, y + m0 * N, K, N, nb, e);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, int64_t K, int64_t N) {
   const int64_t NB = N / kTileN;
   if (M <= 0 || NB <= 0) return;
-  static thread_local std::vector<float> xbuf;
   const bool parallel = M * N * K >= kParallelMacs && omp_get_max_threads() > 1;
+  if constexpr (simd::kBf16Dot) return pair_gemm(x, wp, y, M, K, N, parallel);
+  static thread_local std::vector<float> xbuf;
   if (M <= kDirectRows) {
     float* xf = scratch(xbuf, static_cast<size_t>(M * K));
     widen_rows(x, xf, K, 0, M);
@@ -478,11 +589,17 @@ __attribute__((noinline)) void rowmajor_tile(const float* xs, const uint16_t* xr
 #pragma GCC unroll 8
     for (int n = 0; n < NR; ++n) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
-      const __m256 e = even_half(v), o = odd_half(v, hi);
+      if constexpr (simd::kBf16Dot) {
+        // lane j: the pair 16c + 2j, 16c + 2j + 1 by one VDPBF16PS, x read as it is stored
 #pragma GCC unroll 8
-      for (int r = 0; r < RX; ++r) {
-        a[r][n] = _mm256_fmadd_ps(e, simd::load8(xs + r * K + k), a[r][n]);
-        a[r][n] = _mm256_fmadd_ps(o, simd::load8(xs + r * K + k + 8), a[r][n]);
+        for (int r = 0; r < RX; ++r) a[r][n] = simd::dot2_bf16(a[r][n], simd::load16_bf16(xr + r * K + k), v);
+      } else {
+        const __m256 e = even_half(v), o = odd_half(v, hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < RX; ++r) {
+          a[r][n] = _mm256_fmadd_ps(e, simd::load8(xs + r * K + k), a[r][n]);
+          a[r][n] = _mm256_fmadd_ps(o, simd::load8(xs + r * K + k + 8), a[r][n]);
+        }
       }
     }
   }
@@ -535,8 +652,11 @@ inline void rowmajor_call(int rows, int cols, const float* xs, const uint16_t* x
 void gemv_rowmajor(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t K, int64_t N) {
   if (M <= 0 || N <= 0) return;
   static thread_local std::vector<float> xbuf;
-  float* xs = scratch(xbuf, static_cast<size_t>(M * K));
-  split_rows(x, xs, M, K);
+  float* xs = nullptr;  // with bf16 pair dots the tiles read x as it is
+  if constexpr (!simd::kBf16Dot) {
+    xs = scratch(xbuf, static_cast<size_t>(M * K));
+    split_rows(x, xs, M, K);
+  }
   const int RX = static_cast<int>(std::min<int64_t>(M, kRowMajorRows));
   const int NR = rowmajor_columns(RX);
   const int64_t units = N / NR;  // NR weight rows each; the N % NR last rows one at a time
@@ -551,7 +671,7 @@ void gemv_rowmajor(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M,
       const int cols = n + NR <= n1 ? NR : 1;
       for (int64_t m0 = 0; m0 < M; m0 += RX) {
         const int rows = static_cast<int>(std::min<int64_t>(RX, M - m0));
-        rowmajor_call(rows, cols, xs + m0 * K, x + m0 * K, w + n * K, y + m0 * N + n, K, N);
+        rowmajor_call(rows, cols, xs ? xs + m0 * K : nullptr, x + m0 * K, w + n * K, y + m0 * N + n, K, N);
       }
       n += cols;
     }

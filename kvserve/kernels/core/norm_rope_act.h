@@ -1,5 +1,5 @@
 // The fused elementwise steps of a decoder layer, torch-free (the core of kernels.h's
-// rms_norm, rope_and_cache, rope_and_cache_int8 and silu_and_mul at the portable levels).
+// rms_norm, rope_and_cache, rope_and_cache_int8 and silu_and_mul).
 // Each function comes for fp32 (float) and bf16 (uint16_t) tensors; the element type of every
 // pointer but the RoPE tables, the int8 pools and their scales is the model dtype. Every
 // output element depends only on its own row (token), whatever the row count: no function

@@ -127,7 +127,7 @@ void rms_norm_impl(const T* x, const T* w, T* out, T* residual, int64_t T_, int6
 // ---- RoPE ---------------------------------------------------------------------------------
 
 // rotate-half of one head of H = 2·half values: out[i] = x[i]·c − x[i+half]·s,
-// out[i+half] = x[i+half]·c + x[i]·s (one FMA each, as the AVX512 build); returned through
+// out[i+half] = x[i+half]·c + x[i]·s (one FMA each); returned through
 // `emit(offset, lo, hi, n)` with lo, hi the rotated lanes [i, i+n) and [half+i, half+i+n)
 template <typename T, typename Emit>
 inline void rope_head(const T* src, const float* cos, const float* sin, int64_t half, Emit&& emit) {
@@ -235,17 +235,10 @@ void rope_and_cache_int8_impl(const RopeArgs<T>& a, int8_t* k_pool, int8_t* v_po
 
 // ---- silu_and_mul -------------------------------------------------------------------------
 
-// silu(gate)·up as the AVX512 build's silu_mul16: x / (1 + e^-x) with a reciprocal estimate
-// and one Newton step (e^-x capped at e^80 so an overflow never meets 0·inf), silu rounded to
-// the dtype before the product
+// silu(gate)·up, silu rounded to the dtype before the product (simd::silu8; the AMX linear's
+// gate/up epilogue computes the same)
 template <typename T>
-inline __m256 silu_mul8(__m256 gate, __m256 up) {
-  const __m256 neg = _mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gate), _mm256_set1_ps(80.f));
-  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), simd::exp8(neg));
-  __m256 r = _mm256_rcp_ps(d);
-  r = _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
-  return _mm256_mul_ps(to_dtype<T>(_mm256_mul_ps(gate, r)), up);
-}
+inline __m256 silu_mul8(__m256 gate, __m256 up) { return _mm256_mul_ps(to_dtype<T>(simd::silu8(gate)), up); }
 
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, T* out, int64_t T_, int64_t F) {

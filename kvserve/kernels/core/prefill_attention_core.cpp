@@ -1,5 +1,5 @@
 // paged_prefill_attention's core (prefill_attention.h) on 8 fp32 lanes. Named *_core.cpp: torch's
-// extension build names objects by basename, so it may not share portable/prefill_attention.cpp's.
+// extension build names objects by basename, so it may not share ops/prefill_attention.cpp's.
 //
 // Two phases:
 //   1. per (segment, KV head), its context's K and V are packed once out of the pool, as bf16
@@ -116,6 +116,59 @@ void pack_group(const uint16_t* const* k_rows, const uint16_t* const* v_rows, co
   }
 }
 
+// the 8×8 transpose of 32-bit elements: t[j] = (r[0][j], ..., r[7][j])
+inline void transpose8x8_epi32(const __m256i r[8], __m256i t[8]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  t[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  t[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  t[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  t[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  t[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  t[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  t[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  t[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// The pair layouts of the bf16 pair-dot levels (simd::kBf16Dot), for one group of 16 keys:
+//   K [D/2 feature pairs][16 keys] of 32-bit (k[2i], k[2i + 1]) pairs: a score vector of 8 keys
+//     is one VDPBF16PS of a broadcast query pair against half a row;
+//   V [8 key pairs][D features] of 32-bit (v_first[f], v_second[f]) pairs: a vector of 8
+//     features is one VDPBF16PS of a broadcast pair of probabilities.
+// Same sizes and offsets per group as pack_group's layouts (a block of 32 keys at pos·D).
+void pack_group_pairs(const uint16_t* const* k_rows, const uint16_t* const* v_rows, const uint16_t* zeros, int64_t D,
+                      uint16_t* k_out, uint16_t* v_out) {
+  for (int half = 0; half < 2; ++half)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m256i r[8], t[8];
+      for (int i = 0; i < 8; ++i) {
+        const uint16_t* row = k_rows[half * 8 + i];
+        r[i] = simd::load16_bf16((row ? row : zeros) + d0);
+      }
+      transpose8x8_epi32(r, t);  // t[j]: pair d0/2 + j of keys 0..7 of this half
+      for (int j = 0; j < 8; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(k_out + (d0 / 2 + j) * 2 * kGroupKeys + half * 16), t[j]);
+    }
+  for (int kp = 0; kp < kGroupKeys / 2; ++kp) {
+    const uint16_t* a = v_rows[2 * kp] ? v_rows[2 * kp] : zeros;
+    const uint16_t* b = v_rows[2 * kp + 1] ? v_rows[2 * kp + 1] : zeros;
+    for (int64_t c = 0; c < D; c += 16) {
+      // qwords 0, 2, 1, 3: the in-lane unpacks then give features c..c+7 and c+8..c+15 in order
+      const __m256i x0 = _mm256_permute4x64_epi64(simd::load16_bf16(a + c), 0xd8);
+      const __m256i x1 = _mm256_permute4x64_epi64(simd::load16_bf16(b + c), 0xd8);
+      uint16_t* dst = v_out + kp * 2 * D + 2 * c;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_unpacklo_epi16(x0, x1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), _mm256_unpackhi_epi16(x0, x1));
+    }
+  }
+}
+
 // K and V of `count` keys (their slots) of one KV head → packed K [padded/16][D][16] and
 // V [padded][D] (pack_group's layouts), zero past count (padded a multiple of 32). int8 pools:
 // each value as the bf16 of its integer; `rows` is scratch for 32 rows of D.
@@ -141,7 +194,8 @@ void pack_kv(const T* k_pool, const T* v_pool, int64_t row_elems, int64_t head, 
         v_rows[i] = vr;
       }
     }
-    pack_group(k_rows, v_rows, zeros, D, k_out + g * kGroupKeys * D, v_out + g * kGroupKeys * D);
+    if constexpr (simd::kBf16Dot) pack_group_pairs(k_rows, v_rows, zeros, D, k_out + g * kGroupKeys * D, v_out + g * kGroupKeys * D);
+    else pack_group(k_rows, v_rows, zeros, D, k_out + g * kGroupKeys * D, v_out + g * kGroupKeys * D);
   }
 }
 
@@ -213,9 +267,61 @@ __attribute__((noinline)) float softmax_step(const float* s, int64_t visible, fl
 // Per-thread scratch of a tile.
 struct Scratch {
   std::vector<float> q, o, s, p, l;
+  std::vector<uint16_t> pbf;  // the pair levels' probabilities as bf16
   explicit Scratch(int64_t D)
-      : q(kTileRows * D), o(kTileRows * D), s(kTileRows * kBlockKeys), p(kTileRows * kBlockKeys), l(kTileRows * 8) {}
+      : q(kTileRows * D), o(kTileRows * D), s(kTileRows * kBlockKeys), p(kTileRows * kBlockKeys), l(kTileRows * 8),
+        pbf(kTileRows * kBlockKeys) {}
 };
+
+// S = Q·Kᵀ on the pair layout for R rows and the block's first `keys` keys: per (row, key), one
+// VDPBF16PS chain over the feature pairs in order. A pass takes both groups of the block (4
+// vectors a row) when the rows see past its first 16 keys; the scores of keys a row does not
+// see are computed and masked by the softmax step, their value never used.
+template <int R, int V>
+inline void pair_scores_pass(const uint16_t* kg, const uint16_t* const* q_rows, int64_t D, float* s) {
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t dp = 0; dp < D / 2; ++dp) {
+    __m256i x[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v)  // group v / 2, keys 8·(v % 2) ..
+      x[v] = simd::load16_bf16(kg + (v / 2) * kGroupKeys * D + dp * 2 * kGroupKeys + (v % 2) * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i qp = simd::bcast_pair(q_rows[r] + 2 * dp);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = simd::dot2_bf16(acc[r][v], qp, x[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) simd::store8(s + r * kBlockKeys + 8 * v, acc[r][v]);
+}
+
+template <int R>
+inline void pair_scores(const uint16_t* kb, const uint16_t* const* q_rows, int64_t keys, int64_t D, float* s) {
+  if (keys > kGroupKeys) pair_scores_pass<R, 4>(kb, q_rows, D, s);
+  else pair_scores_pass<R, 2>(kb, q_rows, D, s);
+}
+
+// O[c, c + 8V) += P·V on the pair layout for R rows and the block's first `keys` keys (in
+// pairs; an odd last key pairs with one of probability 0): per (row, feature), one VDPBF16PS
+// chain over the key pairs in order
+template <int R, int V>
+inline void pair_values(const uint16_t* vb, const uint16_t* pbf, int64_t keys, int64_t D, int64_t c, __m256 (&acc)[R][V]) {
+  for (int64_t kp = 0; kp < (keys + 1) / 2; ++kp) {
+    const uint16_t* row = vb + kp * 2 * D + 2 * c;
+    __m256i x[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) x[v] = simd::load16_bf16(row + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i pp = simd::bcast_pair(pbf + r * kBlockKeys + 2 * kp);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = simd::dot2_bf16(acc[r][v], pp, x[v]);
+    }
+  }
+}
 
 // R query rows (row r: bf16 features at q_rows[r], sees keys [0, last[r]]) → out_rows[r].
 template <int R>
@@ -227,10 +333,12 @@ void attend_tile(const KvView& kv, const uint16_t* const* q_rows, uint16_t* cons
   float* s = w.s.data();
   float* p = w.p.data();
   float* l = w.l.data();
+  uint16_t* pbf = w.pbf.data();
   RowState st[R];
   int64_t last_max = 0;
   for (int r = 0; r < R; ++r) {
-    for (int64_t d = 0; d < D; d += 8) simd::store8(qf + r * D + d, simd::load8(q_rows[r] + d));
+    if constexpr (!simd::kBf16Dot)  // the pair levels read q as it is stored
+      for (int64_t d = 0; d < D; d += 8) simd::store8(qf + r * D + d, simd::load8(q_rows[r] + d));
     std::fill(o + r * D, o + (r + 1) * D, 0.f);
     std::fill(l + r * 8, l + (r + 1) * 8, 0.f);
     st[r] = {-std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
@@ -244,6 +352,8 @@ void attend_tile(const KvView& kv, const uint16_t* const* q_rows, uint16_t* cons
     const uint16_t* vb = shared ? kv.v_shared + pos * D : kv.v_own + (pos - kv.shared_keys) * D;
     const int64_t keys = std::min<int64_t>(kBlockKeys, last_max - pos + 1);  // the most any row sees here
     // S = Q·Kᵀ, one packed group of 16 keys (two vectors of 8 scores per row) per pass
+    if constexpr (simd::kBf16Dot) pair_scores<R>(kb, q_rows, keys, D, s);
+    else
     for (int64_t k0 = 0; k0 < keys; k0 += 16) {
       const uint16_t* kg = kb + k0 * D;  // the packed group of keys k0..k0+15
       __m256 acc[R][2];
@@ -276,7 +386,25 @@ void attend_tile(const KvView& kv, const uint16_t* const* q_rows, uint16_t* cons
                              kv.vs ? kv.vs + pos : nullptr, st[r], l + r * 8, p + r * kBlockKeys);
       rescale |= corr[r] != 1.f;
     }
-    // O = O·corr + P·V, 16 features per pass
+    if constexpr (simd::kBf16Dot)  // the probabilities as the bf16 they already are (exact)
+      for (int r = 0; r < R; ++r)
+        for (int64_t k = 0; k < kBlockKeys; k += 8) simd::store8(pbf + r * kBlockKeys + k, simd::load8(p + r * kBlockKeys + k));
+    // O = O·corr + P·V, 32 features per pass at the pair levels (head_dim is a multiple of 32)
+    if constexpr (simd::kBf16Dot) {
+      for (int64_t c = 0; c < D; c += 32) {
+        __m256 acc[R][4];
+        for (int r = 0; r < R; ++r) {
+          const __m256 cv = _mm256_set1_ps(corr[r]);
+          for (int v = 0; v < 4; ++v) {
+            acc[r][v] = simd::load8(o + r * D + c + 8 * v);
+            if (rescale) acc[r][v] = _mm256_mul_ps(acc[r][v], cv);
+          }
+        }
+        pair_values<R, 4>(vb, pbf, keys, D, c, acc);
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < 4; ++v) simd::store8(o + r * D + c + 8 * v, acc[r][v]);
+      }
+    } else
     for (int64_t c = 0; c < D; c += 16) {
       __m256 acc[R][2];
       for (int r = 0; r < R; ++r) {

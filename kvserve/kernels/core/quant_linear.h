@@ -1,4 +1,4 @@
-// quant_linear at the portable levels, torch-free: y = x·Wᵀ (+ bias) on block-quantized weights
+// quant_linear, torch-free: y = x·Wᵀ (+ bias) on block-quantized weights
 // in the packed layout of kvserve/model/quant_formats.py (QuantSegment in kernels.h, described
 // in quant_linear.cpp), with int8 activations per row and block of 32; and the embedding
 // lookup of a quantized table.

@@ -1,6 +1,5 @@
-// y = x·Wᵀ (+ b) on block-quantized weights at the portable levels (avx2, avx512-vnni), on
-// 8-lane vectors. The compute format is that of the AVX512 kernel (avx512_bf16/quant_linear.cpp):
-// each row of x is quantized per block of 32 features to int8 (one fp32 scale d_x = amax/127,
+// y = x·Wᵀ (+ b) on block-quantized weights at every level, on 8-lane vectors. The compute
+// format is llama.cpp's Q8_0 activations against the weights' codes: each row of x is quantized per block of 32 features to int8 (one fp32 scale d_x = amax/127,
 // codes round(x·127/amax), and their sum Σq), then per block of 32 weights of one column
 //     Σ_k w_k·x_k = d_x · (d_w · Σ_k (c_k − o)·q_k + m_w · Σ_k q_k),   w_k = d_w·c_k + m_w,
 // with o = 0 for the formats that store m (Q4_1, Q5_x, Q4_K: kFormat*Min), and for the
@@ -71,7 +70,7 @@ inline int32_t hsum8_epi32(__m256i v) {
 }
 
 // 32 values → int8 codes q (round(x·127/amax), nearest even), d = amax/127, s = Σq: the rule
-// of the AVX512 kernel (and the tests' reference), value for value.
+// of the tests' reference, value for value.
 template <typename T>
 inline void quantize_block(const T* x, int8_t* q, float* d, int32_t* s) {
   const __m256 v0 = simd::load8(x), v1 = simd::load8(x + 8), v2 = simd::load8(x + 16), v3 = simd::load8(x + 24);

@@ -1,13 +1,15 @@
-// Shared-prefix decode attention at the portable levels, torch-free (the core of
+// Shared-prefix decode attention, torch-free (the core of
 // kernels.h's shared_prefix_attention, merge_attention_states and merge_attention_row).
 //
 // The n query rows of a group whose block tables start with the same prefix blocks attend to
 // those blocks' first prefix_len positions together, non-causally: each K/V row of a KV head is
-// read and widened once for all n·g query rows of that head (a small matrix product with the
-// query rows in vector lanes). Arithmetic, as the AVX512-BF16 build's:
-//   score = (q·k summed in fp32, features in order) · scale   (int8: · k_scale · scale)
+// read once for all n·g query rows of that head (a small matrix product with the query rows
+// in vector lanes). Arithmetic:
+//   score = (q·k summed in fp32, features in order; at the bf16 pair-dot levels feature
+//            pairs in order) · scale   (int8: · k_scale · scale)
 //   per chunk of kChunk positions: max, e^(score - max) (simd::exp8), Σ of the fp32 e, and
-//   P = e rounded to bf16 (int8: e · v_scale, then rounded) times V in fp32, positions in order;
+//   P = e rounded to bf16 (int8: e · v_scale, then rounded) times V in fp32, positions in order
+//   (pair levels: positions in pairs, in order);
 //   the chunks of a row merged in order: out = Σ w·acc / Σ w·sum, lse = max + log Σ.
 // Every row's lane runs the same operations whatever the other rows of the group, and the
 // chunk split depends on prefix_len only: a row's result does not depend on the group (bitwise).

@@ -6,8 +6,13 @@
 // Levels and what this header maps to:
 //   avx2         x86-64-v3: 8 fp32 lanes (__m256), int8 dots by VPMADDUBSW + VPMADDWD
 //   avx512-vnni  the same 8-lane code, EVEX-encoded; int8 dots by VPDPBUSD on ymm
+//   avx512-bf16  + bf16 pair dots by VDPBF16PS on ymm (kBf16Dot)
+//   amx          + the AMX tiles (core/amx.h), used by the families that have a tile path
 // A core source uses only what is here plus the __m256/__m256i intrinsics of AVX2/FMA/F16C,
 // so it compiles at every x86 level; a later level (ARM NEON) adds its own branch here.
+// Where a level has an instruction that changes how a kernel is best blocked (a bf16 pair
+// dot needs no widening, so its tiles differ), the kernel asks this header's constexpr
+// flags (kBf16Dot) and keeps both tile shapes in its one source.
 //
 // bf16 values are raw uint16_t (the top half of an fp32); rounding to bf16 is to nearest even,
 // as torch rounds.
@@ -31,11 +36,24 @@
 #define KVSERVE_VNNI_DOT 0
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define KVSERVE_BF16_DOT 1
+#else
+#define KVSERVE_BF16_DOT 0
+#endif
+
 namespace kvserve {
 namespace KVSERVE_LEVEL_NS {
 namespace simd {
 
 constexpr int kLanes = 8;  // fp32 lanes of one vector
+constexpr bool kVnniDot = KVSERVE_VNNI_DOT;  // dot4_u8s8 is one VPDPBUSD (exact for all bytes)
+constexpr bool kBf16Dot = KVSERVE_BF16_DOT;  // dot2_bf16 is one VDPBF16PS
+#if defined(__AVX512VL__)
+constexpr int kVecRegs = 32;  // ymm0-31 with EVEX
+#else
+constexpr int kVecRegs = 16;
+#endif
 
 // ---- scalars ------------------------------------------------------------------------------
 
@@ -120,6 +138,17 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// silu(x) = x / (1 + e^-x) for 8 lanes, with a reciprocal estimate and one Newton step
+// (~1e-7 relative; VDIVPS issues only every few cycles); e^-x capped at e^80 so the
+// reciprocal of an overflow never meets 0·inf
+inline __m256 silu8(__m256 x) {
+  const __m256 neg = _mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(80.f));
+  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(neg));
+  __m256 r = _mm256_rcp_ps(d);
+  r = _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+  return _mm256_mul_ps(x, r);
+}
+
 // ---- int8 dot products --------------------------------------------------------------------
 
 // acc[i] += Σ_{t<4} u[4i+t]·s[4i+t] for 8 int32 lanes, u unsigned and s signed bytes.
@@ -134,6 +163,32 @@ inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
+
+// ---- bf16 pair dot products ----------------------------------------------------------------
+
+// acc[i] += a[2i]·b[2i] + a[2i+1]·b[2i+1] for 8 fp32 lanes, a and b 16 bf16 each (pairs in
+// 32-bit lanes, the even element in the low half). At avx512-bf16 one VDPBF16PS (denormal
+// inputs read as zero, as that instruction does); below it two FMAs on the widened halves,
+// the odd products first, as VDPBF16PS orders them. Kernels call it only where kBf16Dot: below
+// that level they keep x widened to fp32 once per call, which is cheaper than widening per use.
+inline __m256 dot2_bf16(__m256 acc, __m256i a, __m256i b) {
+#if KVSERVE_BF16_DOT
+  return _mm256_dpbf16_ps(acc, (__m256bh)a, (__m256bh)b);
+#else
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, hi)), _mm256_castsi256_ps(_mm256_and_si256(b, hi)), acc);
+  return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
+#endif
+}
+
+// the 32-bit lane at p (two bf16) in all 8 lanes
+inline __m256i bcast_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i load16_bf16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 }  // namespace simd
 }  // namespace KVSERVE_LEVEL_NS

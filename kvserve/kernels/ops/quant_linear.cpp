@@ -1,6 +1,5 @@
-// The quant_linear family at the portable levels: the torch layer over core/quant_linear_core.cpp
-// (the layout, the compute format and the row-invariance argument are described there). The
-// argument checks and messages are those of avx512_bf16/quant_linear.cpp.
+// The quant_linear family's torch layer over core/quant_linear_core.cpp
+// (the layout, the compute format and the row-invariance argument are described there).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 

@@ -1,7 +1,7 @@
-// The gemv family at the portable levels (kvserve/kernels/core/gemv_core.cpp): gemv_bf16 on the
+// The gemv family's torch layer (kvserve/kernels/core/gemv_core.cpp): gemv_bf16 on the
 // row-major weight, gemv_vnni and gemm_vnni on its VNNI-tile copy, and amx_pack_weight, the
-// layout transform that makes the copy (no AMX instruction: the same tiles as the AMX level's,
-// which CPUs without AMX read with 8-lane FMAs). Checks and messages as the avx512_bf16 build's.
+// layout transform that makes the copy (no AMX instruction: the same tiles the AMX level's
+// kernel reads, and which every level's GEMV reads).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 

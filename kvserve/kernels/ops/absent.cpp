@@ -1,5 +1,4 @@
-// What a portable build (kvserve/kernels/core under the x86 levels below AVX512-BF16) does
-// not have: AMX. The functions exist so that one bindings.cpp serves every level; each says
+// What every build but the `amx` level's does not have: AMX (ops/amx/ in the amx build). The functions exist so that one bindings.cpp serves every level; each says
 // it is not here rather than reaching an instruction this CPU may lack. kvserve never calls
 // them at these levels (KernelSupport turns the AMX kernels off where amx_available() is false).
 #include "../kernels.h"

@@ -1,6 +1,6 @@
-// The norm_rope_act family at the portable levels (rms_norm, rope_and_cache,
-// rope_and_cache_int8, silu_and_mul): the argument checks of the AVX512-BF16 build (the same
-// messages), then the torch-free core (core/norm_rope_act.h), on fp32 or bf16 tensors.
+// The norm_rope_act family's torch layer (rms_norm, rope_and_cache, rope_and_cache_int8,
+// silu_and_mul): the argument checks, then the torch-free core (core/norm_rope_act.h), on fp32
+// or bf16 tensors.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

@@ -1,6 +1,5 @@
-// paged_decode_attention (and its _lse variant) at the portable levels: the argument checks of
-// the AVX512-BF16 build (the same messages), then the torch-free core (core/decode_attention.h).
-// bf16, fp32 and int8 pools (int8 with their fp32 scales); never AMX at these levels.
+// paged_decode_attention (and its _lse variant): the argument checks, then the torch-free core
+// (core/decode_attention.h). bf16, fp32 and int8 pools (int8 with their fp32 scales).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

@@ -1,5 +1,4 @@
-// paged_prefill_attention at the portable levels: the argument checks of the AVX512-BF16 build
-// (the same messages), then the torch-free core (core/prefill_attention.h).
+// paged_prefill_attention: the argument checks, then the torch-free core (core/prefill_attention.h).
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>

@@ -1,6 +1,5 @@
-// shared_prefix_attention, merge_attention_states and merge_attention_row at the portable
-// levels: the argument checks of the AVX512-BF16 build (the same messages), then the
-// torch-free core (core/shared_prefix_attention.h).
+// shared_prefix_attention, merge_attention_states and merge_attention_row: the argument checks
+// (shared with checks.cpp), then the torch-free core (core/shared_prefix_attention.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 

@@ -1,5 +1,4 @@
-// argmax_rows at the portable levels: the argument checks of the AVX512-BF16 build (the same
-// messages), then the torch-free core (core/argmax.h).
+// argmax_rows: the argument checks, then the torch-free core (core/argmax.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
