@@ -86,24 +86,29 @@ class QuantSegment(Protocol):
     """Output columns (a multiple of 16) of one block-quantized format, in the layout of kvserve/kernels/layouts.py."""
 
     def __init__(
-        self, *, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None, format: int
+        self, *, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None, format: int,
+        sub: torch.Tensor | None = None,
     ) -> None: ...
 
     @property
     def codes(self) -> torch.Tensor:
-        """uint8 [N/16, K/32, 512 (8-bit) or 256 (4-bit)]."""
+        """uint8 [N/16, K/32, 512 (8-bit), 384 (6-bit) or 256 (4-bit)]."""
 
     @property
     def scales(self) -> torch.Tensor:
-        """fp16 [N/16, K/32, 16], or [N/16, 1, 16] for one scale per output column."""
+        """fp16 [N/16, K/32, 16], [N/16, 1, 16] for one scale per output column, [N/16, K/256, 16] for the K-quants' d."""
 
     @property
     def mins(self) -> torch.Tensor | None:
-        """fp16 [N/16, K/32, 16] for the formats that store a minimum."""
+        """fp16, as `scales`, for the formats that store a minimum (the K-quants' dmin)."""
 
     @property
     def format(self) -> int:
-        """QUANT_Q8, QUANT_Q4, QUANT_Q4_MIN or QUANT_Q8_MIN."""
+        """QUANT_Q8, QUANT_Q4, QUANT_Q4_MIN, QUANT_Q8_MIN, QUANT_Q4_K or QUANT_Q6_K."""
+
+    @property
+    def sub(self) -> torch.Tensor | None:
+        """The K-quants' per-block scales, uint8 [N/16, K/32, 32] (kernels/layouts.py); None otherwise."""
 
 
 class DecodeLayer(Protocol):

@@ -100,15 +100,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("QUANT_Q4") = kQuantQ4;
   m.attr("QUANT_Q4_MIN") = kQuantQ4Min;
   m.attr("QUANT_Q8_MIN") = kQuantQ8Min;
+  m.attr("QUANT_Q4_K") = kQuantQ4K;
+  m.attr("QUANT_Q6_K") = kQuantQ6K;
 
   py::class_<QuantSegment>(m, "QuantSegment", py::module_local(), "output columns of one block-quantized format (kernels.h)")
-      .def(py::init([](const at::Tensor& codes, const at::Tensor& scales, const MaybeTensor& mins, int64_t format) {
-             return QuantSegment{codes, scales, or_undefined(mins), format};
-           }),
-           py::kw_only(), py::arg("codes"), py::arg("scales"), py::arg("mins") = py::none(), py::arg("format"))
+      .def(py::init([](const at::Tensor& codes, const at::Tensor& scales, const MaybeTensor& mins, int64_t format,
+                       const MaybeTensor& sub) { return QuantSegment{codes, scales, or_undefined(mins), format, or_undefined(sub)}; }),
+           py::kw_only(), py::arg("codes"), py::arg("scales"), py::arg("mins") = py::none(), py::arg("format"),
+           py::arg("sub") = py::none())
       .def_readonly("codes", &QuantSegment::codes)
       .def_readonly("scales", &QuantSegment::scales)
       .def_property_readonly("mins", maybe(&QuantSegment::mins))
+      .def_property_readonly("sub", maybe(&QuantSegment::sub))
       .def_readonly("format", &QuantSegment::format);
 
   py::class_<Projection>(m, "Projection", py::module_local(), "one projection y = x @ W.T (+ b) as its kernels read it (kernels.h)")

@@ -241,14 +241,19 @@ inline constexpr int64_t kQuantQ8 = 0;     // 8-bit codes q+128, m = -128·d    
 inline constexpr int64_t kQuantQ4 = 1;     // 4-bit codes q+8, m = -8·d           (Q4_0)
 inline constexpr int64_t kQuantQ4Min = 2;  // 4-bit codes, m stored              (Q4_1, Q4_K, int4 of float weights)
 inline constexpr int64_t kQuantQ8Min = 3;  // 8-bit codes, m stored              (Q5_0, Q5_1, Q5_K)
+// the K-quants, in GGUF's own scales: d (dmin) per 256 inputs, small integer scales per block in `sub`
+inline constexpr int64_t kQuantQ4K = 4;    // 4-bit codes, w = d·sc·c − dmin·mn   (Q4_K)
+inline constexpr int64_t kQuantQ6K = 5;    // 6-bit codes q+32, w = d·sc·q, sc per 16 inputs (Q6_K)
 
-// One run of output columns (a multiple of 16) in one format:
-//   codes  uint8 [N/16, K/32, 512] (8-bit) or [N/16, K/32, 256] (4-bit), the layout in quant_linear.cpp
-//   scales fp16 [N/16, K/32, 16], or [N/16, 1, 16] for one scale per output column
-//   mins   fp16 [N/16, K/32, 16] for the formats that store m; undefined otherwise
+// One run of output columns (a multiple of 16) in one format (kvserve/kernels/layouts.py):
+//   codes  uint8 [N/16, K/32, 512] (8-bit), [N/16, K/32, 384] (6-bit) or [N/16, K/32, 256] (4-bit)
+//   scales fp16 [N/16, K/32, 16], [N/16, 1, 16] for one scale per output column, [N/16, K/256, 16] (K-quants' d)
+//   mins   fp16 as scales for the formats that store m (the K-quants' dmin); undefined otherwise
+//   sub    the K-quants' block scales uint8 [N/16, K/32, 32]; undefined otherwise
 struct QuantSegment {
   at::Tensor codes, scales, mins;
   int64_t format = kQuantQ8;
+  at::Tensor sub;
 };
 
 // y [M, N] (x's dtype, bf16 or fp32; fp32 if float_out) = x [M, K] · Wᵀ + bias for W the

@@ -7,13 +7,20 @@ cut into groups of GROUP output columns (weight rows) and blocks of BLOCK inputs
 columns), group-major, so a packed tensor's dim 0 is the group and dim 1 the block.
 
 Block-quantized codes (the quant_linear kernel; QuantSegment in kernels.h). Per block of
-BLOCK inputs of one output column, w = d·c + m with c an unsigned code of 8 or 4 bits:
-- codes uint8 [N/16, K/32, 512] (8-bit) or [N/16, K/32, 256] (4-bit); within a (group,
-  block), byte j·64 + 4·n + t holds column n's code for input 4j + t, for j < 8 (8-bit) or
-  j < 4 (4-bit, where the byte's low nibble is input 4j + t and its high nibble input
-  16 + 4j + t: GGUF's own Q4_0 order within a block);
+BLOCK inputs of one output column, w = d·c + m with c an unsigned code of 8, 6 or 4 bits:
+- codes uint8 [N/16, K/32, 512] (8-bit), [N/16, K/32, 384] (6-bit) or [N/16, K/32, 256]
+  (4-bit); within a (group, block), byte j·64 + 4·n + t holds column n's code for input
+  4j + t, for j < 8 (8-bit) or j < 4 (4-bit, where the byte's low nibble is input 4j + t and
+  its high nibble input 16 + 4j + t: GGUF's own Q4_0 order within a block). 6-bit codes are
+  their low 4 bits in the 4-bit layout (bytes 0-255), then their top 2 bits (bytes 256-383):
+  byte 256 + (j // 2)·64 + 4·n + t holds, from bit 4·(j % 2), those of input 4j + t and then of
+  input 16 + 4j + t;
 - scales d and minima m fp16 [N/16, K/32, 16]: [g, b, n] is output column 16g + n's value for
-  block b; a scale per output column (no blocks) is [N/16, 1, 16].
+  block b; a scale per output column (no blocks) is [N/16, 1, 16]. The K-quants (GGUF Q4_K,
+  Q6_K as stored) hold their super-block's d (and dmin) per SUPER inputs, [N/16, K/256, 16],
+  and each block's small integer scales in `sub`, uint8 [N/16, K/32, 32]: [g, b, n] and
+  [g, b, 16 + n] column 16g + n's two for block b (Q4_K: its sc and mn; Q6_K: the int8 scales
+  of inputs 0-15 and 16-31 of the block).
 
 bf16 VNNI tiles (amx_pack_weight; the AMX kernels, gemv_vnni, gemm_vnni): [N/16, K/32, 16,
 32], [g, b, p, 2n + j] = w[16g + n, 32b + 2p + j]: per (group, block) one 1 KiB tile whose
@@ -28,6 +35,7 @@ import torch
 
 GROUP = 16  # output columns (weight rows) per packed group: a tile's / a code vector's width
 BLOCK = 32  # inputs (weight columns) per quantization block and per VNNI tile's depth
+SUPER = 256  # inputs per super-block of the K-quant formats (their d and dmin)
 _PAIRS = BLOCK // 2  # rows of a VNNI tile: one per pair of bf16 inputs
 
 
@@ -46,8 +54,13 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     kb = k // BLOCK
     if bits == 8:
         return codes.view(n // GROUP, GROUP, kb, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // GROUP, kb, 512).contiguous()
+    if bits == 6:
+        top = (codes >> 4).view(n, kb, 2, 4, 4)  # [n, kb, input half, j, t]: the top 2 bits
+        nib = top[:, :, 0] | (top[:, :, 1] << 2)  # [n, kb, j, t]: input 4j + t's, then 16 + 4j + t's
+        plane = (nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)).view(n // GROUP, GROUP, kb, 2, 4).permute(0, 2, 3, 1, 4)
+        return torch.cat([pack_codes(codes & 0x0F, 4), plane.reshape(n // GROUP, kb, 128)], dim=2).contiguous()
     if bits != 4:
-        raise ValueError(f"codes of {bits} bits: the kernels read 8 or 4")
+        raise ValueError(f"codes of {bits} bits: the kernels read 8, 6 or 4")
     blocks = codes.view(n, kb, 2, BLOCK // 2)
     return pack_nibbles(blocks[:, :, 0] | (blocks[:, :, 1] << 4))
 
@@ -64,6 +77,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of pack_codes: packed `bits`-bit codes uint8 [N/16, K/32, 512 or 256] →
     uint8 [N, K], one code per weight."""
     g, kb, _ = packed.shape
+    if bits == 6:
+        low = unpack_codes(packed[:, :, :256].contiguous(), 4).view(g * GROUP, kb, BLOCK)
+        plane = packed[:, :, 256:].reshape(g, kb, 2, GROUP, 4).permute(0, 3, 1, 2, 4)  # [g, 16, kb, j // 2, t]
+        nib = torch.stack([plane & 0x0F, plane >> 4], dim=4).reshape(g * GROUP, kb, 4, 4)  # [.., j, t]
+        top = torch.stack([nib & 0x03, nib >> 2], dim=2).reshape(g * GROUP, kb, BLOCK)  # [.., half, j, t]
+        return (low | (top << 4)).reshape(g * GROUP, kb * BLOCK)
     if bits == 8:
         codes = packed.view(g, kb, 8, GROUP, 4).permute(0, 3, 1, 2, 4)  # [g, 16, kb, 8, 4]
     else:
@@ -86,6 +105,21 @@ def unpack_block_params(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(g * GROUP, b)
 
 
+def pack_block_subs(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """The K-quants' two small scales per block, uint8 (or int8, kept as its bytes) [N, K/32]
+    each → uint8 [N/16, K/32, 32]: [g, b, n] = first of column 16g + n, [g, b, 16 + n] = second."""
+    n, b = first.shape
+    both = torch.stack([first.view(torch.uint8), second.view(torch.uint8)], dim=2)  # [N, b, 2]
+    return both.view(n // GROUP, GROUP, b, 2).permute(0, 2, 3, 1).reshape(n // GROUP, b, 2 * GROUP).contiguous()
+
+
+def unpack_block_subs(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_block_subs: uint8 [N/16, K/32, 32] → (first, second) uint8 [N, K/32]."""
+    g, b, _ = packed.shape
+    both = packed.view(g, b, 2, GROUP).permute(0, 3, 1, 2).reshape(g * GROUP, b, 2)
+    return both[..., 0], both[..., 1]
+
+
 # ---- cutting a packed weight (tensor-parallel shards) ---------------------------------------
 # Codes, scales, minima and VNNI tiles are all [N/16, K/32, ...]: one cut serves each.
 
@@ -106,6 +140,14 @@ def slice_block_cols(packed: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     if lo % BLOCK or hi % BLOCK:
         raise ValueError(f"columns [{lo}, {hi}) are not whole blocks of {BLOCK}")
     return packed[:, lo // BLOCK : hi // BLOCK].contiguous()
+
+
+def slice_super_cols(params: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Input columns [lo, hi) of the K-quants' per-super-block d or dmin fp16 [N/16, K/256, 16]:
+    lo and hi must fall on super-blocks of SUPER columns (ValueError otherwise)."""
+    if lo % SUPER or hi % SUPER:
+        raise ValueError(f"columns [{lo}, {hi}) are not whole super-blocks of {SUPER} (a K-quant weight's scales)")
+    return params[:, lo // SUPER : hi // SUPER].contiguous()
 
 
 def slice_params_cols(params: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

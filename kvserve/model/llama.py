@@ -343,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
             if lin.kernel is not None and hasattr(lin.kernel, "gemv"):
                 tensors += [t for t in (lin.kernel.weight, lin.kernel.gemv, lin.kernel.amx, lin.kernel.onednn) if t is not None]
             if lin.qweight is not None:
-                tensors += [t for seg in lin.qweight.segments for t in (seg.codes, seg.scales, seg.mins) if t is not None]
+                tensors += [t for seg in lin.qweight.segments for t in seg.tensors]
         # one count per storage (a tied table is held once); an opaque oneDNN copy has no data pointer
         return sum({(t.data_ptr() if t.layout == torch.strided else id(t)): t.numel() * t.element_size() for t in tensors}.values())
 

@@ -10,6 +10,8 @@ code of 4 or 8 bits, d (and m, where stored) fp16:
 | q4_min   | 4-bit | stored           | GGUF Q4_1 (exact); Q4_K (codes exact, d·sc and dmin·m   |
 |          |       |                  | rounded to fp16); int4 of floats                        |
 | q8_min   | 8-bit | stored           | GGUF Q5_0, Q5_1 (exact); Q5_K (as Q4_K)                 |
+| q4_k     | 4-bit | −dmin·mn         | GGUF Q4_K as stored: d, dmin per 256, 6-bit sc, mn per 32 |
+| q6_k     | 6-bit | −32·d·sc         | GGUF Q6_K as stored: d per 256, an int8 sc per 16 inputs |
 
 `--quantization int8` quantizes float weights with one scale per output channel (symmetric,
 scales [groups, 1, 16]); `int4` with a scale and a minimum per block of 32.
@@ -34,9 +36,12 @@ from kvserve.kernels.layouts import BLOCK, GROUP  # noqa: F401  (re-exported: th
 # cols] fp32, and their codes) stay a few tens of MB even for a 128k-row LM head
 _CHUNK_ROWS = 2048
 
-KINDS = {"q8": (8, False, 128), "q4": (4, False, 8), "q4_min": (4, True, 0), "q8_min": (8, True, 0)}
+KINDS = {"q8": (8, False, 128), "q4": (4, False, 8), "q4_min": (4, True, 0), "q8_min": (8, True, 0),
+         "q4_k": (4, True, 0), "q6_k": (6, False, 32)}  # fmt: skip
 # the C++ format constants (kernels.h kQuant*)
-KIND_CODES = {"q8": 0, "q4": 1, "q4_min": 2, "q8_min": 3}
+KIND_CODES = {"q8": 0, "q4": 1, "q4_min": 2, "q8_min": 3, "q4_k": 4, "q6_k": 5}
+# kinds that keep GGUF's super-block scales: d (dmin) per SUPER inputs, small scales per block in `sub`
+K_QUANT_KINDS = ("q4_k", "q6_k")
 
 
 @dataclasses.dataclass
@@ -46,18 +51,28 @@ class QuantSegment:
     kind: str
     rows: int
     cols: int
-    codes: torch.Tensor  # uint8 [rows/16, cols/32, 512 or 256]
-    scales: torch.Tensor  # fp16 [rows/16, cols/32 or 1, 16]
-    mins: torch.Tensor | None  # fp16 [rows/16, cols/32, 16] where the kind stores m
+    codes: torch.Tensor  # uint8 [rows/16, cols/32, 512, 384 or 256]
+    scales: torch.Tensor  # fp16 [rows/16, cols/32 or 1, 16]; K-quants [rows/16, cols/256, 16]
+    mins: torch.Tensor | None  # fp16, as scales, where the kind stores m
     source: str  # what it came from, for the start-up report
+    sub: torch.Tensor | None = None  # K-quants: uint8 [rows/16, cols/32, 32], each block's small scales
 
     @property
     def bits(self) -> int:
         return KINDS[self.kind][0]
 
     @property
+    def k_quant(self) -> bool:
+        return self.kind in K_QUANT_KINDS
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What the kernel reads of this segment."""
+        return [t for t in (self.codes, self.scales, self.mins, self.sub) if t is not None]
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 @dataclasses.dataclass
@@ -105,6 +120,7 @@ def slice_rows(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
                 seg, rows=b - a, codes=layouts.slice_group_rows(seg.codes, a, b),
                 scales=layouts.slice_group_rows(seg.scales, a, b),
                 mins=None if seg.mins is None else layouts.slice_group_rows(seg.mins, a, b),
+                sub=None if seg.sub is None else layouts.slice_group_rows(seg.sub, a, b),
             ))  # fmt: skip
         start += seg.rows
     return QuantizedWeight(out)
@@ -112,14 +128,15 @@ def slice_rows(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
 
 def slice_cols(w: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
     """Input columns [lo, hi) of `w` (a tensor-parallel row shard): whole blocks of BLOCK
-    columns, so lo and hi must fall on them (ValueError otherwise). A per-output-channel scale
-    (one per row) stays."""
+    columns (whole super-blocks of SUPER for the K-quants), so lo and hi must fall on them
+    (ValueError otherwise). A per-output-channel scale (one per row) stays."""
     out = []
     for seg in w.segments:
+        params = layouts.slice_super_cols if seg.k_quant else layouts.slice_params_cols
         out.append(dataclasses.replace(
-            seg, cols=hi - lo, codes=layouts.slice_block_cols(seg.codes, lo, hi),
-            scales=layouts.slice_params_cols(seg.scales, lo, hi),
-            mins=None if seg.mins is None else layouts.slice_params_cols(seg.mins, lo, hi),
+            seg, cols=hi - lo, codes=layouts.slice_block_cols(seg.codes, lo, hi), scales=params(seg.scales, lo, hi),
+            mins=None if seg.mins is None else params(seg.mins, lo, hi),
+            sub=None if seg.sub is None else layouts.slice_block_cols(seg.sub, lo, hi),
         ))  # fmt: skip
     return QuantizedWeight(out)
 
@@ -145,7 +162,18 @@ def dequantize_segment(seg: QuantSegment) -> torch.Tensor:
     """The reference: the segment's weights as fp32 [rows, cols], d·c + m exactly as the kernel's
     embedding lookup (and gguf's dequantize) computes them."""
     bits, has_min, offset = KINDS[seg.kind]
-    codes = layouts.unpack_codes(seg.codes, bits).view(seg.rows, seg.cols // BLOCK, BLOCK)
+    kb = seg.cols // BLOCK
+    codes = layouts.unpack_codes(seg.codes, bits).view(seg.rows, kb, BLOCK)
+    if seg.k_quant:  # the super-block's d (dmin) times each block's small scales, exact in fp32
+        per_super = layouts.SUPER // BLOCK
+        d = layouts.unpack_block_params(seg.scales).float().repeat_interleave(per_super, dim=1)  # [rows, kb]
+        first, second = layouts.unpack_block_subs(seg.sub)
+        if seg.kind == "q6_k":  # w = (d·sc_h)·(c − 32), sc_h the scale of the input's half
+            sc = torch.stack([first.view(torch.int8), second.view(torch.int8)], dim=2).float()  # [rows, kb, 2]
+            dh = (d[..., None] * sc).repeat_interleave(BLOCK // 2, dim=2)  # [rows, kb, 32]
+            return (dh * (codes.float() - offset)).reshape(seg.rows, seg.cols)
+        dmin = layouts.unpack_block_params(seg.mins).float().repeat_interleave(per_super, dim=1)
+        return ((d * first.float())[..., None] * codes.float() - (dmin * second.float())[..., None]).reshape(seg.rows, seg.cols)
     d = layouts.unpack_block_params(seg.scales).float()[..., None]  # [rows, blocks or 1, 1]
     m = layouts.unpack_block_params(seg.mins).float()[..., None] if has_min else -float(offset) * d
     return (d * codes.float() + m).reshape(seg.rows, seg.cols)
@@ -201,8 +229,8 @@ def quantize_int4_blocks(w: torch.Tensor) -> QuantizedWeight:
 # ---- from GGUF blocks ---------------------------------------------------------------------
 
 # GGUF types run natively or repacked; the rest are dequantized at load (with a note)
-GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")
-GGUF_REPACKED = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GGUF_REPACKED = ("Q5_0", "Q5_1", "Q5_K")
 
 
 def _f16(raw: np.ndarray, start: int) -> torch.Tensor:
@@ -234,6 +262,8 @@ def from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Quantize
         return QuantizedWeight([seg])
     if type_name == "Q4_K":
         return _from_q4_k(raw, rows, cols)
+    if type_name == "Q6_K":
+        return _from_q6_k(raw, rows, cols)
     return _requantized(type_name, raw, rows, cols)
 
 
@@ -253,10 +283,38 @@ def _k_scales(raw: np.ndarray, rows: int, cols: int):
 def _from_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
     # super-block of 256: d, dmin (fp16), 12 bytes of 6-bit scales and minima, 128 bytes of
     # nibbles: per 64 inputs, 32 bytes whose low nibbles are inputs 0-31, high ones 32-63
-    scale, minimum = _k_scales(raw, rows, cols)
-    qs = torch.from_numpy(np.ascontiguousarray(raw.reshape(-1, 144)[:, 16:])).view(-1, 4, 1, 32)
+    import gguf.quants as gq
+
+    supers = raw.reshape(-1, 144)
+    sc, mn = gq.Q4_K.get_scale_min(np.ascontiguousarray(supers[:, 4:16]))  # [n_super, 8] each
+    qs = torch.from_numpy(np.ascontiguousarray(supers[:, 16:])).view(-1, 4, 1, 32)
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, cols)
-    return pack("q4_min", codes, scale, -minimum, "Q4_K (repacked: codes exact, scales and minima rounded to fp16)")
+    kb = cols // BLOCK
+    seg = QuantSegment(
+        "q4_k", rows, cols, layouts.pack_codes(codes, 4),
+        layouts.pack_block_params(_f16(supers, 0).view(rows, -1)), layouts.pack_block_params(_f16(supers, 2).view(rows, -1)),
+        "Q4_K (native)",
+        sub=layouts.pack_block_subs(torch.from_numpy(np.ascontiguousarray(sc)).to(torch.uint8).view(rows, kb),
+                                    torch.from_numpy(np.ascontiguousarray(mn)).to(torch.uint8).view(rows, kb)),
+    )  # fmt: skip
+    return QuantizedWeight([seg])
+
+
+def _from_q6_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
+    # super-block of 256 (gguf's own reading): 128 bytes of low nibbles, 64 of top 2-bit pairs,
+    # 16 int8 scales (one per 16 inputs), d (fp16); q = (low | top << 4) − 32
+    supers = raw.reshape(-1, 210)
+    n = supers.shape[0]
+    ql = supers[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    qh = supers[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    codes = (ql & 0x0F).reshape(n, 8, 32) | ((qh & 0x03).reshape(n, 8, 32) << 4)  # q + 32, in input order
+    sc = torch.from_numpy(np.ascontiguousarray(supers[:, 192:208]).view(np.int8)).view(rows, cols // 16)
+    seg = QuantSegment(
+        "q6_k", rows, cols, layouts.pack_codes(torch.from_numpy(np.ascontiguousarray(codes)).view(rows, cols), 6),
+        layouts.pack_block_params(_f16(supers, 208).view(rows, -1)), None, "Q6_K (native)",
+        sub=layouts.pack_block_subs(sc[:, 0::2].contiguous(), sc[:, 1::2].contiguous()),
+    )  # fmt: skip
+    return QuantizedWeight([seg])
 
 
 def _requantized(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
@@ -266,8 +324,6 @@ def _requantized(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Quant
 
     qtype = gguf.GGMLQuantizationType[type_name]
     values = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).view(rows, cols)
-    if type_name == "Q6_K":  # per-16 scales: no exact per-32 form; int8 per 32 loses < 1/8 of a Q6_K step
-        return quantize_q8_blocks(values, "Q6_K (requantized to int8 per 32: within 1/8 of its step)")
     if type_name in ("Q5_0", "Q5_1"):
         blocks = raw.reshape(rows, cols // BLOCK, -1)
         d = _f16(blocks, 0)

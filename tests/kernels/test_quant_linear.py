@@ -8,12 +8,15 @@ batch-invariance rule: a row's bits never depend on the rows beside it.
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.model import quant_formats as qf
 from kvserve.model.linear_methods.cpu_quant import kernel_segments
+from tests.support.kquants import random_k_blocks
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
@@ -104,6 +107,67 @@ def test_embedding_rows_are_the_dequantized_rows(kind):
     ids = torch.tensor([0, 17, 63, 17])
     rows = ops.quant_embedding(ids, kernel_segments(ops, w), 96, torch.float32)
     assert torch.equal(rows, w.dequantize()[ids])
+
+
+# ---- the K-quants, in GGUF's own bytes (K a multiple of 256) ----------------------------------
+
+K_QUANTS = ["Q4_K", "Q6_K", "Q6_K-full-range"]
+
+
+def _k_weights(name: str, n: int, k: int, seed: int = 0) -> qf.QuantizedWeight:
+    type_name = name.split("-")[0]
+    return qf.from_gguf(type_name, random_k_blocks(type_name, n, k, seed, full_range=name.endswith("full-range")), n, k)
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+def test_k_quants_match_reference(name, rows):
+    w = _k_weights(name, 48, 768)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = ops.quant_linear(x, kernel_segments(ops, w), None, True).double()
+    exact = _int8_reference(x, w)
+    # the integer sums are exact; fp32 scaling and accumulation only
+    torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+def test_q6_k_extremes_stay_exact_in_the_integer_sums():
+    """The largest integer sum the Q6_K path forms: codes 0 (q = -32) under scales of -128, every
+    activation at ±127: per half 16·32·127 = 65,024, scaled by -128, two halves: 16,646,144,
+    just under 2^24 (exact in fp32)."""
+    raw = random_k_blocks("Q6_K", 16, 256, full_range=True)
+    raw[:, :192] = 0  # every code 0: q = -32
+    raw[:, 192:208] = 0x80  # every scale -128
+    w = qf.from_gguf("Q6_K", raw, 16, 256)
+    x = torch.full((2, 256), 3.0)
+    x[1, 1::2] = -3.0
+    y = ops.quant_linear(x, kernel_segments(ops, w), None, True).double()
+    torch.testing.assert_close(y, _int8_reference(x, w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quants_rows_do_not_depend_on_the_other_rows(name):
+    segs = kernel_segments(ops, _k_weights(name, 32, 512))
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone = torch.cat([ops.quant_linear(x[i : i + 1], segs) for i in range(x.shape[0])])
+    for rows in (3, 9, 64, 70):
+        together = torch.cat([ops.quant_linear(x[i : i + rows], segs) for i in range(0, x.shape[0], rows)])
+        assert torch.equal(together, alone), f"{rows} rows per call changed some row's bits"
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quant_embedding_rows_are_gguf_s_own(name):
+    type_name = name.split("-")[0]
+    raw = random_k_blocks(type_name, 32, 512, full_range=name.endswith("full-range"))
+    w = qf.from_gguf(type_name, raw, 32, 512)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])).float()
+    ids = torch.tensor([0, 31, 7, 7])
+    assert torch.equal(ops.quant_embedding(ids, kernel_segments(ops, w), 512, torch.float32), expected[ids])
+
+
+def test_k_quants_refuse_depths_off_their_super_blocks():
+    segs = kernel_segments(ops, _k_weights("Q4_K", 16, 512))
+    with pytest.raises(RuntimeError, match="codes must be"):
+        ops.quant_linear(torch.zeros(1, 256, dtype=torch.bfloat16), segs)
 
 
 def test_shapes_off_the_grid_are_refused():

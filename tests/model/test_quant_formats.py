@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.model import quant_formats as qf
+from tests.support.kquants import random_k_blocks
 
 
 def _w(n=64, k=512, seed=0):
@@ -23,39 +24,35 @@ def test_exact_types_dequantize_bit_for_bit_as_gguf(type_name):
     assert torch.equal(qf.from_gguf(type_name, raw, 64, 512).dequantize(), expected)
 
 
-def _random_k_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random K-quant super-blocks with realistic fp16 scales (gguf-py cannot quantize K-quants)."""
-    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[type_name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
-    def f16(value):
-        return np.frombuffer(np.full(n * k // 256, value, np.float16).tobytes(), np.uint8).reshape(n, k // 256, 2)
-    if type_name == "Q6_K":
-        raw[..., -2:] = f16(0.001)
-        # neighbouring 16-sub-blocks of real tensors have similar scales: int8 in [20, 40]
-        raw[..., 192:208] = rng.integers(20, 40, size=(n, k // 256, 16), dtype=np.uint8)
-    else:
-        raw[..., 0:2], raw[..., 2:4] = f16(0.001), f16(0.0005)
-    return raw.reshape(n, -1)
-
-
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
-def test_k_quants_repack_with_exact_codes(type_name):
-    raw = _random_k_blocks(type_name, 32, 512)
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("full_range", [False, True])
+def test_k_quants_run_in_their_own_bytes_bit_for_bit_as_gguf(type_name, full_range):
+    raw = random_k_blocks(type_name, 32, 512, full_range=full_range)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])).float()
     got = qf.from_gguf(type_name, raw, 32, 512)
+    assert got.segments[0].kind == type_name.lower() and got.segments[0].source == f"{type_name} (native)"
+    assert torch.equal(got.dequantize(), expected)
+    # GGUF's bits per weight plus the layout's: Q4_K 4.5 → 4.625 (sc, mn a byte each), Q6_K 6.5625 as stored
+    assert got.nbytes * 8 / (32 * 512) == {"Q4_K": 4.625, "Q6_K": 6.5625}[type_name]
+
+
+def test_q5_k_repacks_with_exact_codes():
+    raw = random_k_blocks("Q5_K", 32, 512)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K)).float()
+    got = qf.from_gguf("Q5_K", raw, 32, 512)
     # the codes are exact; only each sub-block's d·sc and dmin·m are rounded to fp16
     err = (got.dequantize() - expected).abs()
     assert err.max() <= 2**-10 * expected.abs().max()
-    assert got.segments[0].kind == {"Q4_K": "q4_min", "Q5_K": "q8_min"}[type_name]
+    assert got.segments[0].kind == "q8_min"
 
 
-def test_q6_k_requantizes_within_an_eighth_of_its_step():
-    raw = _random_k_blocks("Q6_K", 32, 512)
-    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K)).float()
-    got = qf.from_gguf("Q6_K", raw, 32, 512).dequantize()
-    step = 0.001 * 40  # the largest sub-block step d·sc of the fixture
-    assert (got - expected).abs().max() <= step / 8 + 1e-6
+def test_k_quant_shards_cut_on_super_blocks():
+    w = qf.from_gguf("Q6_K", random_k_blocks("Q6_K", 32, 768), 32, 768)
+    part = qf.slice_cols(w, 256, 768)
+    assert torch.equal(part.dequantize(), w.dequantize()[:, 256:])
+    assert torch.equal(qf.slice_rows(w, 16, 32).dequantize(), w.dequantize()[16:])
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        qf.slice_cols(w, 0, 384)
 
 
 def test_int8_per_channel_and_int4_quantizers_round_to_nearest():

@@ -15,27 +15,38 @@ namespace quant {
 constexpr int64_t kBlock = 32;  // inputs per quantization block (weights and activations)
 constexpr int64_t kGroup = 16;  // output columns per packed group
 
+constexpr int64_t kSuper = 256;  // inputs per super-block of the K-quant formats (their d, dmin)
+
 // the weight formats, numbered as kernels.h's kQuant*
 constexpr int kFormatQ8 = 0;     // 8-bit codes q+128, m = -128·d
 constexpr int kFormatQ4 = 1;     // 4-bit codes q+8, m = -8·d
 constexpr int kFormatQ4Min = 2;  // 4-bit codes, m stored
 constexpr int kFormatQ8Min = 3;  // 8-bit codes, m stored
+constexpr int kFormatQ4K = 4;    // 4-bit codes, w = d·sc·c − dmin·mn: GGUF Q4_K as stored
+constexpr int kFormatQ6K = 5;    // 6-bit codes q+32, w = d·sc·q, sc per 16 inputs: GGUF Q6_K as stored
 
-// One QuantSegment as raw pointers.
+// One QuantSegment as raw pointers. The K-quant formats (kFormatQ4K, kFormatQ6K) keep a
+// super-block's fp16 d (and dmin) per column per 256 inputs in `scales` (`mins`), and each
+// block's small integer scales in `sub`.
 struct SegmentView {
-  const uint8_t* codes;    // [groups, K/32, 512 (8-bit) or 256 (4-bit)]
-  const uint16_t* scales;  // fp16 [groups, K/32, 16], or [groups, 1, 16] when per_channel
-  const uint16_t* mins;    // fp16 [groups, K/32, 16]; nullptr unless the format stores m
+  const uint8_t* codes;    // [groups, K/32, 512 (8-bit), 384 (6-bit) or 256 (4-bit)]
+  const uint16_t* scales;  // fp16 [groups, K/32, 16], [groups, 1, 16] when per_channel, [groups, K/256, 16] (K-quants)
+  const uint16_t* mins;    // fp16 as scales; nullptr unless the format stores m (dmin for kFormatQ4K)
+  const uint8_t* sub;      // K-quants: [groups, K/32, 32]: Q4K 16 sc then 16 mn (uint8), Q6K 16 sc of inputs
+                           // 0-15 then 16 of 16-31 (int8); nullptr otherwise
   int64_t groups;          // output columns / 16
   bool per_channel;        // one scale per column for all blocks
   int format;              // kFormat*
 };
 
-inline int format_bits(int format) { return format == kFormatQ8 || format == kFormatQ8Min ? 8 : 4; }
-inline bool format_has_min(int format) { return format == kFormatQ4Min || format == kFormatQ8Min; }
+inline int format_bits(int format) {
+  return format == kFormatQ8 || format == kFormatQ8Min ? 8 : format == kFormatQ6K ? 6 : 4;
+}
+inline bool format_has_min(int format) { return format == kFormatQ4Min || format == kFormatQ8Min || format == kFormatQ4K; }
+inline bool format_is_k_quant(int format) { return format == kFormatQ4K || format == kFormatQ6K; }
 
 // Scratch bytes quant_linear needs for M rows of K inputs (the int8 activations, their
-// scales and sums).
+// scales, their sums and the sums of each block's first 16).
 size_t quant_linear_scratch_bytes(int64_t M, int64_t K);
 
 // y [M, N] = x [M, K] · Wᵀ (+ bias), W the segments stacked by rows (N = Σ 16·groups), K a

@@ -23,8 +23,18 @@
 //                not safe (255·127·2 > 32767): llama.cpp's sign trick, with q = c ^ 0x80
 //                signed, multiplies |q| (<= 128, unsigned) by x carrying q's sign (VPSIGNB):
 //                Σ q·x exact, and Σ c·x = Σ q·x + 128·Σx.
-// Both levels reach the same exact integer, then the same fp32 operations: the two builds
-// agree bitwise.
+// Both levels reach the same exact integer, then the same fp32 operations: the builds agree
+// bitwise.
+//
+// The K-quant formats keep GGUF's own scales, so a Q4_K_M file runs in its own bytes:
+//   Q4_K (kFormatQ4K): the 4-bit codes as Q4_1's, and per block the super-block's fp16 d and
+//     dmin (one per 256 inputs) times the block's 6-bit sc and mn, widened in fp32 (exact:
+//     11 × 6 significant bits), then as Q4_1: d_b·S + m_b·Σq with m_b = −dmin·mn.
+//   Q6_K (kFormatQ6K): 6-bit codes c = q + 32 as a 4-bit plane (Q4_0's layout) and a 2-bit
+//     plane, and an int8 scale per 16 inputs: per block the two halves' integer sums
+//     S_h = Σ (c − 32)·q (Σq of each half from the activations), T = sc_0·S_0 + sc_1·S_1 (exact
+//     in int32, and in fp32: |T| < 2^24), t = d·T. The 6-bit codes are at most 63, so at avx2
+//     VPMADDUBSW's pair sums (<= 2·63·127) add two at a time in int16 before widening.
 //
 // Row invariance: each row's blocks are summed in one order with the same operations
 // whatever the tile of rows it lands in (integer sums exact; per row, per block: one
@@ -43,13 +53,12 @@ namespace KVSERVE_LEVEL_NS {
 namespace quant {
 namespace {
 
-// rows of x per register tile (measured on prefill, M = 64: avx2 2-4 alike, 1 ~10% slower;
-// avx512-vnni 4 ~ 6, 2 ~15% slower)
-#if KVSERVE_VNNI_DOT
-constexpr int kTileRows = 4;  // 32 ymm registers with EVEX
-#else
-constexpr int kTileRows = 2;  // 16 ymm registers
-#endif
+// rows of x per register tile: 4 at every level. At avx512-vnni 4 ~ 6, 2 ~15% slower (prefill,
+// M = 64). At avx2, with 16 registers, a tile of 4 rows keeps some sums in memory, but each
+// weight vector's decoding (the 8-bit sign trick, the nibble split, the K-quants' scales) is
+// shared by twice the rows: 512 × 2048 → 8192 on Zen 4 at avx2 (python -m benchmarks.kernel_levels
+// shapes), Q8_0 94 → 112 GMAC/s, Q4_1 147 → 153, Q4_K 131 → 143, Q6_K 96 → 118, against tiles of 2
+constexpr int kTileRows = 4;
 // codes this far ahead asked for as each block starts: with the hardware prefetcher alone a
 // core pulled the weights at ~10 GB/s (Llama-3.2-1B shape, Q4_0, avx2 decode: 28.5-31.2 ms a
 // step against 26.1-27.8 with 8 KiB, 27.3-28.0 with 2 KiB, alternating pairs on Zen 4)
@@ -69,10 +78,10 @@ inline int32_t hsum8_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// 32 values → int8 codes q (round(x·127/amax), nearest even), d = amax/127, s = Σq: the rule
-// of the tests' reference, value for value.
+// 32 values → int8 codes q (round(x·127/amax), nearest even), d = amax/127, s = Σq, s_lo = Σ of
+// the first 16 (Q6_K's halves): the rule of the tests' reference, value for value.
 template <typename T>
-inline void quantize_block(const T* x, int8_t* q, float* d, int32_t* s) {
+inline void quantize_block(const T* x, int8_t* q, float* d, int32_t* s, int32_t* s_lo) {
   const __m256 v0 = simd::load8(x), v1 = simd::load8(x + 8), v2 = simd::load8(x + 16), v3 = simd::load8(x + 24);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)),
@@ -90,7 +99,8 @@ inline void quantize_block(const T* x, int8_t* q, float* d, int32_t* s) {
   const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
   *d = amax / 127.f;
-  *s = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3)));
+  *s_lo = hsum8_epi32(_mm256_add_epi32(q0, q1));
+  *s = *s_lo + hsum8_epi32(_mm256_add_epi32(q2, q3));
 }
 
 // ---- weights ------------------------------------------------------------------------------
@@ -103,8 +113,9 @@ inline __m256i bcast4(const int8_t* p) {
 
 template <int F>
 struct Format {
-  static constexpr int kBits = F == kFormatQ8 || F == kFormatQ8Min ? 8 : 4;
-  static constexpr bool kHasMin = F == kFormatQ4Min || F == kFormatQ8Min;
+  static constexpr int kBits = F == kFormatQ8 || F == kFormatQ8Min ? 8 : F == kFormatQ6K ? 6 : 4;
+  static constexpr bool kHasMin = F == kFormatQ4Min || F == kFormatQ8Min || F == kFormatQ4K;
+  static constexpr bool kKQuant = F == kFormatQ4K || F == kFormatQ6K;  // d (dmin) per super-block, small scales in sub
   static constexpr int kOffset = F == kFormatQ8 ? 128 : F == kFormatQ4 ? 8 : 0;  // m = −offset·d
   static constexpr int64_t kBytes = kBits * kGroup * kBlock / 8;                  // per (group, block)
   // block_sums gives Σ (c − kNatural)·q: the avx2 8-bit path sums signed q = c − 128
@@ -199,33 +210,125 @@ inline void block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i
   }
 }
 
+// Q6_K's integer sums of one (group, block) for R rows, per half: L[r][h] = Σ_{k<16} c_k·q_k and
+// H[r][h] = Σ_{k>=16} c_k·q_k for columns 8h..8h+7, c the 6-bit code (offset not removed), exact.
+// The 4-bit plane is Q4_0's layout (vector j: inputs 4j..4j+3 low, 16+4j.. high); byte
+// (j/2)·64 + 4c + t of the 2-bit plane holds, from bit 4·(j%2), the top bits of input 4j + t then
+// of input 16 + 4j + t.
+template <int R>
+inline void block_sums6(const uint8_t* codes, const int8_t* x, int64_t K, __m256i (&L)[R][2], __m256i (&H)[R][2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+  const uint8_t* top = codes + 256;
+#if !KVSERVE_VNNI_DOT
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i pl[R][2], ph[R][2];  // int16 pair sums of two vectors (<= 2·2·63·127 = 32004)
+#endif
+  for (int r = 0; r < R; ++r) L[r][0] = L[r][1] = H[r][0] = H[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    __m256i lo[2], hi[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32 * h));
+      const __m256i t = _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + (j / 2) * 64 + 32 * h)),
+                                          4 * (j % 2));
+      lo[h] = _mm256_or_si256(_mm256_and_si256(w, low4), _mm256_slli_epi16(_mm256_and_si256(t, low2), 4));
+      hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 2), low2), 4));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
+#if KVSERVE_VNNI_DOT
+      for (int h = 0; h < 2; ++h) {
+        L[r][h] = simd::dot4_u8s8(L[r][h], lo[h], bl);
+        H[r][h] = simd::dot4_u8s8(H[r][h], hi[h], bh);
+      }
+#else
+      for (int h = 0; h < 2; ++h) {
+        const __m256i a = _mm256_maddubs_epi16(lo[h], bl), b = _mm256_maddubs_epi16(hi[h], bh);
+        pl[r][h] = j % 2 ? _mm256_add_epi16(pl[r][h], a) : a;
+        ph[r][h] = j % 2 ? _mm256_add_epi16(ph[r][h], b) : b;
+        if (j % 2) {
+          L[r][h] = _mm256_add_epi32(L[r][h], _mm256_madd_epi16(pl[r][h], ones));
+          H[r][h] = _mm256_add_epi32(H[r][h], _mm256_madd_epi16(ph[r][h], ones));
+        }
+      }
+#endif
+    }
+  }
+}
+
 inline void store_row(float* y, __m256 v) { simd::store8(y, v); }
 inline void store_row(uint16_t* y, __m256 v) { simd::store8(y, v); }
 
 // R rows of x (quantized) against group g of segment w: y[r][col .. col + 16)
+// 8 small integer scales (uint8 or int8) widened to fp32
+inline __m256 load8_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256i load8_i8_epi32(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
 template <int F, int R, typename Out>
-void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
-                  const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
+                  const int32_t* xs_lo, int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
   using Fmt = Format<F>;
   const int64_t KB = K / kBlock;
   const uint8_t* codes = w.codes + g * KB * Fmt::kBytes;
-  const int64_t scale_step = w.per_channel ? 0 : kGroup;
-  const uint16_t* scales = w.scales + g * (w.per_channel ? 1 : KB) * kGroup;
-  const uint16_t* mins = Fmt::kHasMin ? w.mins + g * KB * kGroup : nullptr;
+  // per block: the fp16 d (and m) of plain formats; the K-quants' per super-block (kSuper / kBlock blocks)
+  const int64_t param_blocks = Fmt::kKQuant ? KB * kBlock / kSuper : w.per_channel ? 1 : KB;
+  const uint16_t* scales = w.scales + g * param_blocks * kGroup;
+  const uint16_t* mins = Fmt::kHasMin ? w.mins + g * param_blocks * kGroup : nullptr;
+  const uint8_t* sub = Fmt::kKQuant ? w.sub + g * KB * 2 * kGroup : nullptr;
   constexpr int kFold = Fmt::kHasMin ? Fmt::kNatural : Fmt::kNatural - Fmt::kOffset;  // T = S + kFold·Σq
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b, codes += Fmt::kBytes, scales += scale_step) {
+  for (int64_t b = 0; b < KB; ++b, codes += Fmt::kBytes) {
 #pragma GCC unroll 8
     for (int64_t line = 0; line < Fmt::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + line, _MM_HINT_T0);
+    const int64_t pb = Fmt::kKQuant ? b * kBlock / kSuper : w.per_channel ? 0 : b;  // the block's params
+    const uint16_t* bs = scales + pb * kGroup;
+    if constexpr (F == kFormatQ6K) {
+      __m256i L[R][2], H[R][2];
+      block_sums6<R>(codes, xq + b * kBlock, K, L, H);
+      const __m256 d[2] = {simd::load8_f16(bs), simd::load8_f16(bs + 8)};
+      const uint8_t* sb = sub + b * 2 * kGroup;
+      const __m256i sc_lo[2] = {load8_i8_epi32(sb), load8_i8_epi32(sb + 8)};
+      const __m256i sc_hi[2] = {load8_i8_epi32(sb + 16), load8_i8_epi32(sb + 24)};
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t sl = xs_lo[r * KB + b], sh = xs[r * KB + b] - sl;
+        const __m256 dx = _mm256_set1_ps(xd[r * KB + b]);
+        for (int h = 0; h < 2; ++h) {
+          // Σ (c − 32)·q per half, times its scale: exact in int32
+          const __m256i lo = _mm256_sub_epi32(L[r][h], _mm256_set1_epi32(32 * sl));
+          const __m256i hi = _mm256_sub_epi32(H[r][h], _mm256_set1_epi32(32 * sh));
+          const __m256i T = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo[h]), _mm256_mullo_epi32(hi, sc_hi[h]));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(T), d[h]), dx, acc[r][h]);
+        }
+      }
+      continue;
+    }
     __m256i S[R][2];
     block_sums<F, R>(codes, xq + b * kBlock, K, S);
-    const __m256 d[2] = {simd::load8_f16(scales), simd::load8_f16(scales + 8)};
-    __m256 m[2];
-    if constexpr (Fmt::kHasMin) {
-      m[0] = simd::load8_f16(mins + b * kGroup);
-      m[1] = simd::load8_f16(mins + b * kGroup + 8);
+    __m256 d[2], m[2];
+    if constexpr (F == kFormatQ4K) {  // d·sc and −dmin·mn in fp32, exactly
+      const uint8_t* sb = sub + b * 2 * kGroup;
+      const uint16_t* ms = mins + pb * kGroup;
+      for (int h = 0; h < 2; ++h) {
+        d[h] = _mm256_mul_ps(simd::load8_f16(bs + 8 * h), load8_u8(sb + 8 * h));
+        m[h] = _mm256_mul_ps(simd::load8_f16(ms + 8 * h), _mm256_sub_ps(_mm256_setzero_ps(), load8_u8(sb + 16 + 8 * h)));
+      }
+    } else {
+      d[0] = simd::load8_f16(bs);
+      d[1] = simd::load8_f16(bs + 8);
+      if constexpr (Fmt::kHasMin) {
+        m[0] = simd::load8_f16(mins + b * kGroup);
+        m[1] = simd::load8_f16(mins + b * kGroup + 8);
+      }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -252,37 +355,50 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
 }
 
 // n (1..R) rows: column_group<F, n>
+// The quantized activations of the rows a tile starts at: codes [rows, K], per block of 32 the
+// scale, Σq and Σ of its first 16 (rows K / 32 apart)
+struct XView {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  const int32_t* s_lo;
+  XView at(int64_t row, int64_t K) const {
+    const int64_t KB = K / kBlock;
+    return {q + row * K, d + row * KB, s + row * KB, s_lo + row * KB};
+  }
+};
+
 template <int F, int R, typename Out>
-inline void tile(int64_t n, const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
-                 const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+inline void tile(int64_t n, const SegmentView& w, int64_t g, const XView& x, int64_t K, const uint16_t* bias, Out* y,
+                 int64_t ldy, int64_t col) {
   if constexpr (R > 1)
-    if (n < R) return tile<F, R - 1>(n, w, g, xq, xd, xs, K, bias, y, ldy, col);
-  column_group<F, R>(w, g, xq, xd, xs, K, bias, y, ldy, col);
+    if (n < R) return tile<F, R - 1>(n, w, g, x, K, bias, y, ldy, col);
+  column_group<F, R>(w, g, x.q, x.d, x.s, x.s_lo, K, bias, y, ldy, col);
 }
 
 template <int F, typename Out>
-void rows_of_group(int64_t rows, const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
-                   int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
-  const int64_t KB = K / kBlock;
+void rows_of_group(int64_t rows, const SegmentView& w, int64_t g, const XView& x, int64_t K, const uint16_t* bias,
+                   Out* y, int64_t ldy, int64_t col) {
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
-    tile<F, kTileRows>(std::min<int64_t>(kTileRows, rows - r0), w, g, xq + r0 * K, xd + r0 * KB, xs + r0 * KB, K, bias,
-                       y + r0 * ldy, ldy, col);
+    tile<F, kTileRows>(std::min<int64_t>(kTileRows, rows - r0), w, g, x.at(r0, K), K, bias, y + r0 * ldy, ldy, col);
 }
 
 template <typename Out>
-void run_group(int64_t rows, const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
-               int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+void run_group(int64_t rows, const SegmentView& w, int64_t g, const XView& x, int64_t K, const uint16_t* bias, Out* y,
+               int64_t ldy, int64_t col) {
   switch (w.format) {
-    case kFormatQ8: rows_of_group<kFormatQ8>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
-    case kFormatQ8Min: rows_of_group<kFormatQ8Min>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
-    case kFormatQ4: rows_of_group<kFormatQ4>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
-    default: rows_of_group<kFormatQ4Min>(rows, w, g, xq, xd, xs, K, bias, y, ldy, col); break;
+    case kFormatQ8: rows_of_group<kFormatQ8>(rows, w, g, x, K, bias, y, ldy, col); break;
+    case kFormatQ8Min: rows_of_group<kFormatQ8Min>(rows, w, g, x, K, bias, y, ldy, col); break;
+    case kFormatQ4: rows_of_group<kFormatQ4>(rows, w, g, x, K, bias, y, ldy, col); break;
+    case kFormatQ4K: rows_of_group<kFormatQ4K>(rows, w, g, x, K, bias, y, ldy, col); break;
+    case kFormatQ6K: rows_of_group<kFormatQ6K>(rows, w, g, x, K, bias, y, ldy, col); break;
+    default: rows_of_group<kFormatQ4Min>(rows, w, g, x, K, bias, y, ldy, col); break;
   }
 }
 
 template <typename Out>
-void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, const int8_t* xq, const float* xd,
-             const int32_t* xs, const uint16_t* bias, Out* y) {
+void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, const XView& x, const uint16_t* bias,
+             Out* y) {
   std::vector<int64_t> first_group{0};  // the flat index of each segment's first group
   for (int64_t i = 0; i < num_segs; ++i) first_group.push_back(first_group.back() + segs[i].groups);
   const int64_t groups = first_group.back(), KB = K / kBlock, N = groups * kGroup;
@@ -293,7 +409,7 @@ void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, co
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t si = std::upper_bound(first_group.begin(), first_group.end(), g) - first_group.begin() - 1;
       const int64_t gl = g - first_group[si];
-      run_group(rows, segs[si], gl, xq + r0 * K, xd + r0 * KB, xs + r0 * KB, K, bias, y + r0 * N, N, g * kGroup);
+      run_group(rows, segs[si], gl, x.at(r0, K), K, bias, y + r0 * N, N, g * kGroup);
     }
   }
 }
@@ -302,26 +418,29 @@ void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, co
 
 size_t quant_linear_scratch_bytes(int64_t M, int64_t K) {
   const int64_t KB = K / kBlock;
-  return static_cast<size_t>(align64(M * K) + align64(M * KB * 4) + align64(M * KB * 4));
+  return static_cast<size_t>(align64(M * K) + 3 * align64(M * KB * 4));
 }
 
 void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
                   const uint16_t* bias, void* y, bool y_bf16, void* scratch) {
   if (M <= 0) return;
   const int64_t KB = K / kBlock;
-  int8_t* xq = static_cast<int8_t*>(scratch);
-  float* xd = reinterpret_cast<float*>(static_cast<char*>(scratch) + align64(M * K));
-  int32_t* xs = reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + align64(M * K) + align64(M * KB * 4));
+  char* base = static_cast<char*>(scratch);
+  int8_t* xq = reinterpret_cast<int8_t*>(base);
+  float* xd = reinterpret_cast<float*>(base + align64(M * K));
+  int32_t* xs = reinterpret_cast<int32_t*>(base + align64(M * K) + align64(M * KB * 4));
+  int32_t* xs_lo = reinterpret_cast<int32_t*>(base + align64(M * K) + 2 * align64(M * KB * 4));
   // each block on its own: the split between threads cannot change a value
   const int64_t blocks = M * KB;
 #pragma omp parallel for schedule(static) if (blocks >= 2048)
   for (int64_t i = 0; i < blocks; ++i) {
     const int64_t off = (i / KB) * K + (i % KB) * kBlock;
-    if (x_bf16) quantize_block(static_cast<const uint16_t*>(x) + off, xq + off, xd + i, xs + i);
-    else quantize_block(static_cast<const float*>(x) + off, xq + off, xd + i, xs + i);
+    if (x_bf16) quantize_block(static_cast<const uint16_t*>(x) + off, xq + off, xd + i, xs + i, xs_lo + i);
+    else quantize_block(static_cast<const float*>(x) + off, xq + off, xd + i, xs + i, xs_lo + i);
   }
-  if (y_bf16) run_all(M, K, segs, num_segs, xq, xd, xs, bias, static_cast<uint16_t*>(y));
-  else run_all(M, K, segs, num_segs, xq, xd, xs, bias, static_cast<float*>(y));
+  const XView xv{xq, xd, xs, xs_lo};
+  if (y_bf16) run_all(M, K, segs, num_segs, xv, bias, static_cast<uint16_t*>(y));
+  else run_all(M, K, segs, num_segs, xv, bias, static_cast<float*>(y));
 }
 
 void quant_embedding(const int64_t* ids, int64_t T, const SegmentView* segs, int64_t num_segs, int64_t K, float* out) {
@@ -335,15 +454,32 @@ void quant_embedding(const int64_t* ids, int64_t T, const SegmentView* segs, int
     const int64_t g = n / kGroup, c = n % kGroup;
     const int bits = format_bits(s.format);
     const int64_t bytes = bits * kGroup * kBlock / 8;
-    const float offset = s.format == kFormatQ8 ? 128.f : s.format == kFormatQ4 ? 8.f : 0.f;
+    const bool k_quant = format_is_k_quant(s.format);
+    const int64_t param_blocks = k_quant ? K / kSuper : s.per_channel ? 1 : KB;
+    const float offset = s.format == kFormatQ8 ? 128.f : s.format == kFormatQ4 ? 8.f : s.format == kFormatQ6K ? 32.f : 0.f;
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* codes = s.codes + (g * KB + b) * bytes;
-      const float d = simd::f16_to_f32(s.scales[(g * (s.per_channel ? 1 : KB) + (s.per_channel ? 0 : b)) * kGroup + c]);
-      const float m = s.mins ? simd::f16_to_f32(s.mins[(g * KB + b) * kGroup + c]) : -offset * d;
+      const int64_t pb = k_quant ? b * kBlock / kSuper : s.per_channel ? 0 : b;
+      float d = simd::f16_to_f32(s.scales[(g * param_blocks + pb) * kGroup + c]);
+      float m = s.mins ? simd::f16_to_f32(s.mins[(g * param_blocks + pb) * kGroup + c]) : -offset * d;
+      const uint8_t* sub = k_quant ? s.sub + (g * KB + b) * 2 * kGroup : nullptr;
+      if (s.format == kFormatQ4K) {  // d·sc, −dmin·mn: exact in fp32, as the kernel takes them
+        d *= static_cast<float>(sub[c]);
+        m = -(m * static_cast<float>(sub[kGroup + c]));
+      }
       float* row = out + t * K + b * kBlock;
       // d·c is exact in fp32 (an 11-bit fp16 mantissa times an 8-bit code): one rounding, as the reference
       if (bits == 8) {
         for (int k = 0; k < kBlock; ++k) row[k] = d * static_cast<float>(codes[(k / 4) * 64 + c * 4 + k % 4]) + m;
+      } else if (bits == 6) {  // w = d·sc_h·(c − 32), sc_h the scale of the input's half
+        const float d_lo = d * static_cast<float>(static_cast<int8_t>(sub[c]));
+        const float d_hi = d * static_cast<float>(static_cast<int8_t>(sub[kGroup + c]));
+        for (int k = 0; k < 16; ++k) {
+          const int j = k / 4, i = (j / 2) * 64 + c * 4 + k % 4, shift = 4 * (j % 2);
+          const uint8_t byte = codes[j * 64 + c * 4 + k % 4], top = codes[256 + i] >> shift;
+          row[k] = d_lo * static_cast<float>(((byte & 0x0f) | (top & 0x03) << 4) - 32);
+          row[k + 16] = d_hi * static_cast<float>(((byte >> 4) | ((top >> 2) & 0x03) << 4) - 32);
+        }
       } else {
         for (int k = 0; k < 16; ++k) {
           const uint8_t byte = codes[(k / 4) * 64 + c * 4 + k % 4];

@@ -15,32 +15,42 @@ namespace {
 namespace quant_linear_core = kvserve::KVSERVE_LEVEL_NS::quant;
 
 constexpr int64_t kBlock = quant_linear_core::kBlock;
-
-int64_t segment_bits(int64_t format) { return format == kQuantQ8 || format == kQuantQ8Min ? 8 : 4; }
-
-bool has_min(int64_t format) { return format == kQuantQ8Min || format == kQuantQ4Min; }
+static_assert(quant_linear_core::kFormatQ8 == kQuantQ8 && quant_linear_core::kFormatQ4 == kQuantQ4 &&
+                  quant_linear_core::kFormatQ4Min == kQuantQ4Min && quant_linear_core::kFormatQ8Min == kQuantQ8Min &&
+                  quant_linear_core::kFormatQ4K == kQuantQ4K && quant_linear_core::kFormatQ6K == kQuantQ6K,
+              "the core's format numbers are kernels.h's");
 
 std::vector<quant_linear_core::SegmentView> check_segments(const std::vector<QuantSegment>& segs, int64_t K, const char* who) {
   TORCH_CHECK(!segs.empty(), who, ": no weight segments");
   std::vector<quant_linear_core::SegmentView> out;
   for (const QuantSegment& s : segs) {
-    TORCH_CHECK(s.format >= kQuantQ8 && s.format <= kQuantQ8Min, who, ": unknown QuantSegment.format ", s.format);
-    const int64_t groups = s.codes.size(0), KB = K / kBlock;
+    TORCH_CHECK(s.format >= kQuantQ8 && s.format <= kQuantQ6K, who, ": unknown QuantSegment.format ", s.format);
+    const int fmt = static_cast<int>(s.format);
+    const int64_t groups = s.codes.size(0), KB = K / kBlock, bits = quant_linear_core::format_bits(fmt);
+    const bool k_quant = quant_linear_core::format_is_k_quant(fmt);
     TORCH_CHECK(s.codes.dim() == 3 && s.codes.scalar_type() == at::kByte && s.codes.is_contiguous() &&
-                    s.codes.size(1) == KB && s.codes.size(2) == segment_bits(s.format) * 16 * kBlock / 8,
-                who, ": codes must be uint8 [groups, K/32, ", segment_bits(s.format) * 64, "] for K = ", K);
+                    s.codes.size(1) == KB && s.codes.size(2) == bits * 16 * kBlock / 8,
+                who, ": codes must be uint8 [groups, K/32, ", bits * 64, "] for K = ", K);
+    // the K-quants' d (and dmin) per super-block of 256 inputs; the others' per block (or per column)
+    const int64_t params = k_quant ? K / quant_linear_core::kSuper : KB;
+    TORCH_CHECK(!k_quant || K % quant_linear_core::kSuper == 0, who, ": a K-quant weight needs K % 256 == 0, got ", K);
     TORCH_CHECK(s.scales.dim() == 3 && s.scales.scalar_type() == at::kHalf && s.scales.is_contiguous() &&
-                    s.scales.size(0) == groups && (s.scales.size(1) == KB || s.scales.size(1) == 1) && s.scales.size(2) == 16,
-                who, ": scales must be fp16 [groups, K/32 or 1, 16]");
-    const bool mins = has_min(s.format);
+                    s.scales.size(0) == groups && (s.scales.size(1) == params || (!k_quant && s.scales.size(1) == 1)) &&
+                    s.scales.size(2) == 16,
+                who, k_quant ? ": scales must be fp16 [groups, K/256, 16]" : ": scales must be fp16 [groups, K/32 or 1, 16]");
+    const bool mins = quant_linear_core::format_has_min(fmt);
     if (mins)
       TORCH_CHECK(s.mins.defined() && s.mins.scalar_type() == at::kHalf && s.mins.is_contiguous() &&
-                      s.mins.numel() == groups * KB * 16,
-                  who, ": this format needs mins, fp16 [groups, K/32, 16]");
+                      s.mins.numel() == groups * params * 16,
+                  who, ": this format needs mins, fp16 [groups, ", k_quant ? "K/256" : "K/32", ", 16]");
+    if (k_quant)
+      TORCH_CHECK(s.sub.defined() && s.sub.scalar_type() == at::kByte && s.sub.is_contiguous() &&
+                      s.sub.numel() == groups * KB * 32,
+                  who, ": a K-quant format needs sub, uint8 [groups, K/32, 32]");
     out.push_back(quant_linear_core::SegmentView{
         s.codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(s.scales.data_ptr<at::Half>()),
-        mins ? reinterpret_cast<const uint16_t*>(s.mins.data_ptr<at::Half>()) : nullptr, groups,
-        s.scales.size(1) == 1 && KB != 1, static_cast<int>(s.format)});
+        mins ? reinterpret_cast<const uint16_t*>(s.mins.data_ptr<at::Half>()) : nullptr,
+        k_quant ? s.sub.data_ptr<uint8_t>() : nullptr, groups, !k_quant && s.scales.size(1) == 1 && KB != 1, fmt});
   }
   return out;
 }

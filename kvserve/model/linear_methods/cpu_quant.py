@@ -21,7 +21,8 @@ COMPUTE_FORMAT = "int8 dot, activations int8 per row and block of 32"
 
 def kernel_segments(ops, weight: QuantizedWeight) -> list:
     return [
-        ops.QuantSegment(codes=s.codes, scales=s.scales, mins=s.mins, format=KIND_CODES[s.kind]) for s in weight.segments
+        ops.QuantSegment(codes=s.codes, scales=s.scales, mins=s.mins, format=KIND_CODES[s.kind], sub=s.sub)
+        for s in weight.segments
     ]
 
 
