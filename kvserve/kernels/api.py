@@ -270,6 +270,8 @@ class CpuOps(Protocol):
     QUANT_Q4: int
     QUANT_Q4_MIN: int
     QUANT_Q8_MIN: int
+    QUANT_Q4_K: int
+    QUANT_Q6_K: int
     DecodeLayer: type[DecodeLayer]
     DecodeModel: type[DecodeModel]
     SharedPrefixLevel: type[SharedPrefixLevel]

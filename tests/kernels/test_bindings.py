@@ -73,7 +73,7 @@ def _declared_params(fn) -> list[str]:
     return out
 
 
-CONSTANTS = {"QUANT_Q8", "QUANT_Q4", "QUANT_Q4_MIN", "QUANT_Q8_MIN"}
+CONSTANTS = {"QUANT_Q8", "QUANT_Q4", "QUANT_Q4_MIN", "QUANT_Q8_MIN", "QUANT_Q4_K", "QUANT_Q6_K"}
 
 
 @pytest.mark.parametrize("name", sorted(_declared() - CONSTANTS))
@@ -91,6 +91,7 @@ def test_quant_format_constants_are_the_packers_codes():
     assert {n: getattr(ops, n) for n in CONSTANTS} == {
         "QUANT_Q8": KIND_CODES["q8"], "QUANT_Q4": KIND_CODES["q4"],
         "QUANT_Q4_MIN": KIND_CODES["q4_min"], "QUANT_Q8_MIN": KIND_CODES["q8_min"],
+        "QUANT_Q4_K": KIND_CODES["q4_k"], "QUANT_Q6_K": KIND_CODES["q6_k"],
     }  # fmt: skip
 
 
