@@ -68,3 +68,25 @@ def release_free_memory() -> bool:
     8,972 MB RSS before this, its Q4_0 (no transients of that size) at 4,397 MB."""
     trim = getattr(_libc(), "malloc_trim", None) if sys.platform.startswith("linux") else None
     return bool(trim(0)) if trim is not None else False
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype):
+    """A CPU tensor of zeros whose pages the kernel supplies as they are first written, from an
+    anonymous mapping (zero-filled by definition) asked for transparent huge pages: the KV
+    pool. `torch.zeros` wrote every page of it at start-up, so a 1 GiB pool was 1 GiB of RSS
+    before the first request; a mapping holds only the blocks requests have used (and reads of
+    a block never written, such as the null block, see zeros)."""
+    import math
+    import mmap
+
+    import torch
+
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses for attention's reads, which jump between blocks
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    # torch keeps the mapping alive as long as the tensor (frombuffer holds a reference to it)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)

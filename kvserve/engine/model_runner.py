@@ -26,6 +26,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.arch import ModelArchitecture
+from kvserve.memory import lazily_zeroed
 from kvserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -157,12 +158,14 @@ class ModelRunner:
         slots = groups.layers_per_block if groups is not None else arch.num_layers
         layer_slot = list(groups.layer_slot) if groups is not None else list(range(arch.num_layers))
         self.kv_groups = groups
-        self.kv_pool = torch.zeros((2, slots, *shape), dtype=layout.kv_dtype, device=device)
+        # on the CPU the pool's pages are resident once requests write them (memory.lazily_zeroed)
+        pool = lazily_zeroed if torch.device(device).type == "cpu" else lambda s, dt: torch.zeros(s, dtype=dt, device=device)
+        self.kv_pool = pool((2, slots, *shape), layout.kv_dtype)
         self.kv_scales = None
         pools = [[self.kv_pool[i][s] for s in layer_slot] for i in (0, 1)]
         layer_group = list(groups.layer_group) if groups is not None else None
         if layout.quantized:
-            self.kv_scales = torch.zeros((2, slots, *shape[:3]), dtype=torch.float32, device=device)
+            self.kv_scales = pool((2, slots, *shape[:3]), torch.float32)
             scales = [[self.kv_scales[i][s] for s in layer_slot] for i in (0, 1)]
             model.bind_kv_cache(pools[0], pools[1], scales[0], scales[1], kv_groups=layer_group)
         else:
