@@ -18,7 +18,9 @@ def test_chat_answers_paris(tmp_path):
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
         out = client.chat.completions.create(
             model=DEFAULT_MODEL_NAME,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            # one word: the bare question's first token has a margin bf16 rounding flips at some
+            # kernel levels (tests/model/test_default_model.py test_capital_of_france)
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
             temperature=0,
             max_tokens=32,
         )

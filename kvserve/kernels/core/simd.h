@@ -7,7 +7,7 @@
 //   avx2         x86-64-v3: 8 fp32 lanes (__m256), int8 dots by VPMADDUBSW + VPMADDWD
 //   avx512-vnni  the same 8-lane code, EVEX-encoded; int8 dots by VPDPBUSD on ymm
 //   avx512-bf16  + bf16 pair dots by VDPBF16PS on ymm (kBf16Dot)
-//   amx          + the AMX tiles (core/amx.h), used by the families that have a tile path
+//   amx          + AMX tiles, for the one family only that level has (core/amx/: amx_linear)
 // A core source uses only what is here plus the __m256/__m256i intrinsics of AVX2/FMA/F16C,
 // so it compiles at every x86 level; a later level (ARM NEON) adds its own branch here.
 // Where a level has an instruction that changes how a kernel is best blocked (a bf16 pair
