@@ -47,7 +47,7 @@
 
 inline constexpr int64_t kGemvMaxRows = 8;  // the row count is a template argument (with_rows)
 inline constexpr int64_t kDecodeAttentionMaxQueriesPerKvHead = 16;  // the 16-row A tile of probabilities
-inline constexpr int64_t kDecodeAttentionMaxHeadDim = 128;  // 4 chunks of 32: B tiles 2..5, the instantiations
+inline constexpr int64_t kDecodeAttentionMaxHeadDim = 256;  // the per-head buffers of the core (Gemma 3: 256)
 inline constexpr int64_t kDecodeAttentionHeadDimMultipleBf16 = 32;  // dpbf16 pairs: 32 bf16 per chunk
 inline constexpr int64_t kDecodeAttentionHeadDimMultipleFp32 = 16;  // one __m512 per 16 features
 inline constexpr int64_t kPrefillAttentionHeadDimMultiple = 32;

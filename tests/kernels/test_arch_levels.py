@@ -26,8 +26,8 @@ SHAPES = {
     # Phi-4-mini's: head_dim 128, RoPE over 96 of it (no kernel: RoPE, the K/V write and so the
     # decode step on the torch path, the rest on the kernels)
     "phi4-partial": dict(model_type="phi3", num_heads=4, num_kv_heads=2, hidden_size=512, partial_rotary_factor=0.75),
-    # Gemma-3-1B's head: head_dim 256 (past the decode kernel's widest: attention on torch), one KV
-    # head; a window of 8, which the prompt passes (the local layer within it, on torch)
+    # Gemma-3-1B's head: head_dim 256 (the decode kernel's widest), one KV head; a window of 8,
+    # which the prompt passes (the local layer's rows past it on the decode kernel's ranges)
     "gemma3-hd256": dict(model_type="gemma3_text", num_heads=2, num_kv_heads=1, hidden_size=256, head_dim=256, num_layers=2,
                          sliding_window=8),
     # Gemma 2's soft-capped scores (attention on torch, the rest on the kernels), its even layer local

@@ -21,7 +21,7 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 DOCUMENTED_LIMITS = {
     "gemv_max_rows": 8,
     "decode_attention_max_queries_per_kv_head": 16,
-    "decode_attention_max_head_dim": 128,
+    "decode_attention_max_head_dim": 256,
     "decode_attention_head_dim_multiple_bf16": 32,
     "decode_attention_head_dim_multiple_fp32": 16,
     "prefill_attention_head_dim_multiple": 32,

@@ -85,6 +85,7 @@ def _decode_case(dtype, batch, num_heads, num_kv_heads, head_dim, lens, block_si
         (16, 1, 64, [40]),
         (14, 2, 64, [90, 7]),  # g = 7: V-pass head groups of 4 + 3
         (5, 1, 96, [33, 64]),  # three chunks, g = 5: groups of 2, 2, 1
+        (4, 1, 256, [40, 300]),  # Gemma-3-1B's head_dim, the kernel's widest; two splits
     ],
 )
 def test_decode_attention_matches_reference(dtype, tol, num_heads, num_kv_heads, head_dim, lens):
@@ -124,6 +125,7 @@ def _prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size, seed=
         (4, 4, 32, 4, [(0, 5), (20, 50)]),  # g = 1, one chunk, blocks of 4 slots
         (8, 2, 128, 32, [(0, 77), (64, 64)]),  # four chunks: Q and K tiles reloaded per group
         (16, 1, 64, 16, [(0, 300)]),  # g = 16, more than 256 keys
+        (4, 1, 256, 16, [(0, 70), (40, 9)]),  # Gemma-3-1B's head_dim
     ],
 )
 def test_prefill_attention_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, segments):

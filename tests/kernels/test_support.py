@@ -36,8 +36,13 @@ def test_more_query_heads_per_kv_head_than_the_decode_kernel_takes_turn_it_and_t
 
 
 def test_a_head_dim_past_the_decode_kernel_turns_it_off():
-    k = KernelSupport.decide(_arch(head_dim=256, hidden_size=512, num_heads=2, num_kv_heads=1), torch.bfloat16, CPU, ops)
-    assert not k.decode_attention.enabled and "head_dim 256 >" in k.decode_attention.reason
+    widest = ops.limits()["decode_attention_max_head_dim"]
+    k = KernelSupport.decide(_arch(head_dim=2 * widest, hidden_size=4 * widest, num_heads=2, num_kv_heads=1),
+                             torch.bfloat16, CPU, ops)  # fmt: skip
+    assert not k.decode_attention.enabled and f"head_dim {2 * widest} >" in k.decode_attention.reason
+    # Gemma 3's 256 is within it
+    assert KernelSupport.decide(_arch(head_dim=256, hidden_size=512, num_heads=2, num_kv_heads=1), torch.bfloat16, CPU,
+                                ops).decode_attention.enabled  # fmt: skip
 
 
 def test_widths_off_the_kernels_grid_turn_those_kernels_off():

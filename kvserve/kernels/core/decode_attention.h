@@ -30,7 +30,7 @@ namespace KVSERVE_LEVEL_NS {
 namespace decode_attention {
 
 constexpr int64_t kMaxQueriesPerKvHead = 16;  // kernels.h kDecodeAttentionMaxQueriesPerKvHead
-constexpr int64_t kMaxHeadDim = 128;          // kernels.h kDecodeAttentionMaxHeadDim
+constexpr int64_t kMaxHeadDim = 256;          // kernels.h kDecodeAttentionMaxHeadDim
 // positions per online-softmax step (the pair levels: 64, half the per-step work of rescaling
 // and bookkeeping per position; their dot products leave that work a larger share)
 constexpr int64_t kTile = 32;

@@ -23,7 +23,7 @@ namespace KVSERVE_LEVEL_NS {
 namespace shared_prefix {
 
 constexpr int64_t kChunk = 256;       // positions per task (a multiple of 8)
-constexpr int64_t kMaxHeadDim = 128;  // kernels.h kDecodeAttentionMaxHeadDim
+constexpr int64_t kMaxHeadDim = 256;  // kernels.h kDecodeAttentionMaxHeadDim
 
 struct Args {
   const uint16_t* q = nullptr;  // [n, N_q, H] bf16
