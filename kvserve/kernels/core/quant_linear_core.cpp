@@ -44,9 +44,13 @@
 // groups (contiguous ranges: each thread streams its own run of the weight).
 #include "quant_linear.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
+
+#include "parallel.h"
 
 namespace kvserve {
 namespace KVSERVE_LEVEL_NS {
@@ -402,15 +406,27 @@ void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, co
   std::vector<int64_t> first_group{0};  // the flat index of each segment's first group
   for (int64_t i = 0; i < num_segs; ++i) first_group.push_back(first_group.back() + segs[i].groups);
   const int64_t groups = first_group.back(), KB = K / kBlock, N = groups * kGroup;
-#pragma omp parallel if (M * groups * KB >= kParallelMinWork)
+  const bool parallel = M * groups * KB >= kParallelMinWork;
+  auto group = [&](int64_t r0, int64_t rows, int64_t g) {
+    const int64_t si = std::upper_bound(first_group.begin(), first_group.end(), g) - first_group.begin() - 1;
+    run_group(rows, segs[si], g - first_group[si], x.at(r0, K), K, bias, y + r0 * N, N, g * kGroup);
+  };
+  if (M <= kChunkRows) {  // decode and small batches: bound by the weights' stream, threads steal (parallel.h)
+    const int threads = parallel ? omp_get_max_threads() : 1;
+    StealingRange range(groups, threads, groups / (16 * threads));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      int64_t b, e;
+      while (range.next(omp_get_thread_num(), b, e))
+        for (int64_t g = b; g < e; ++g) group(0, M, g);
+    }
+    return;
+  }
+#pragma omp parallel if (parallel)
   for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - r0);
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t si = std::upper_bound(first_group.begin(), first_group.end(), g) - first_group.begin() - 1;
-      const int64_t gl = g - first_group[si];
-      run_group(rows, segs[si], gl, x.at(r0, K), K, bias, y + r0 * N, N, g * kGroup);
-    }
+    for (int64_t g = 0; g < groups; ++g) group(r0, rows, g);
   }
 }
 
