@@ -54,7 +54,11 @@ def _latency(r: dict[str, Any]) -> dict[str, Any]:
 
 def _throughput(r: dict[str, Any]) -> dict[str, Any]:
     ours = r["engines"][0]
-    return {"throughput": ours["total_tok_per_s"], "peak_rss": ours["peak_rss_mib"]}
+    out = {"throughput": ours["total_tok_per_s"], "peak_rss": ours["peak_rss_mib"]}
+    peers = [e for e in r["engines"][1:] if str(e.get("engine", "")).startswith("llama.cpp")]
+    if peers:  # --compare-llama-cpp: llama-batched-bench on the same workload
+        out["llama_throughput"] = peers[0]["total_tok_per_s"]
+    return out
 
 
 def _quality(r: dict[str, Any]) -> dict[str, Any]:
@@ -84,8 +88,8 @@ def render(paths: list[str]) -> str:
         f"Measured on {'; '.join(sorted(where))}. Files: {', '.join(f'`{p}`' for p in paths)}.",
         "",
         "| model file | format flags | decode tok/s | llama.cpp | ratio | prefill 512 tok/s | llama.cpp | ratio | "
-        "64x128/128 total tok/s | peak RSS MiB | perplexity (ref) | mean KL | greedy agreement |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "64x128/128 total tok/s | llama-batched-bench | ratio | peak RSS MiB | perplexity (ref) | mean KL | greedy agreement |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for (model, fmt), r in rows.items():
         ppl = "—" if r.get("ppl") is None else f"{r['ppl']:.3f} ({r['ref_ppl']:.3f})"
@@ -94,7 +98,8 @@ def render(paths: list[str]) -> str:
         lines.append(
             f"| {model} | {fmt} | {_n(r.get('decode'))} | {_n(r.get('llama_decode'))} | {_ratio(r.get('decode'), r.get('llama_decode'))} | "
             f"{_n(r.get('prefill'))} | {_n(r.get('llama_prefill'))} | {_ratio(r.get('prefill'), r.get('llama_prefill'))} | "
-            f"{_n(r.get('throughput'))} | {_n(r.get('peak_rss'), 0)} | {ppl} | {kl} | {greedy} |"
+            f"{_n(r.get('throughput'))} | {_n(r.get('llama_throughput'))} | {_ratio(r.get('throughput'), r.get('llama_throughput'))} | "
+            f"{_n(r.get('peak_rss'), 0)} | {ppl} | {kl} | {greedy} |"
         )
     return "\n".join(lines) + "\n"
 
