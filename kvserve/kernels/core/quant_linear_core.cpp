@@ -291,9 +291,27 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
   const uint16_t* mins = Fmt::kHasMin ? w.mins + g * param_blocks * kGroup : nullptr;
   const uint8_t* sub = Fmt::kKQuant ? w.sub + g * KB * 2 * kGroup : nullptr;
   constexpr int kFold = Fmt::kHasMin ? Fmt::kNatural : Fmt::kNatural - Fmt::kOffset;  // T = S + kFold·Σq
+  // The rows' fp32 sums across blocks. With 16 registers a tile's block sums (2 per row) and
+  // its fp32 sums (2 per row) are all 16 of them, so GCC spilled block sums inside the integer
+  // loop, the chain that runs every 4 inputs; the fp32 sums, touched once a block, sit in L1
+  // instead (the asm below: their address escapes, so each block loads and stores them).
+  // Memory or register, the same operations in the same order: nothing changes a bit.
+  constexpr bool kAccInMemory = simd::kVecRegs == 16 && R >= 3;
+  alignas(32) float acc_mem[R][2][8];
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      acc[r][h] = _mm256_setzero_ps();
+      if constexpr (kAccInMemory) _mm256_store_ps(acc_mem[r][h], acc[r][h]);
+    }
+  auto add_to = [&](int r, int h, __m256 t, __m256 dx) {
+    if constexpr (kAccInMemory)
+      _mm256_store_ps(acc_mem[r][h], _mm256_fmadd_ps(t, dx, _mm256_load_ps(acc_mem[r][h])));
+    else
+      acc[r][h] = _mm256_fmadd_ps(t, dx, acc[r][h]);
+  };
   for (int64_t b = 0; b < KB; ++b, codes += Fmt::kBytes) {
+    if constexpr (kAccInMemory) asm volatile("" : : "r"(&acc_mem[0][0][0]) : "memory");
 #pragma GCC unroll 8
     for (int64_t line = 0; line < Fmt::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + line, _MM_HINT_T0);
@@ -315,7 +333,7 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
           const __m256i lo = _mm256_sub_epi32(L[r][h], _mm256_set1_epi32(32 * sl));
           const __m256i hi = _mm256_sub_epi32(H[r][h], _mm256_set1_epi32(32 * sh));
           const __m256i T = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo[h]), _mm256_mullo_epi32(hi, sc_hi[h]));
-          acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(T), d[h]), dx, acc[r][h]);
+          add_to(r, h, _mm256_mul_ps(_mm256_cvtepi32_ps(T), d[h]), dx);
         }
       }
       continue;
@@ -350,13 +368,13 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
           t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), d[h], _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(sx)), m[h]));
         else
           t = _mm256_mul_ps(_mm256_cvtepi32_ps(T), d[h]);
-        acc[r][h] = _mm256_fmadd_ps(t, dx, acc[r][h]);
+        add_to(r, h, t, dx);
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) {
-      __m256 v = acc[r][h];
+      __m256 v = kAccInMemory ? _mm256_load_ps(acc_mem[r][h]) : acc[r][h];
       if (bias) v = _mm256_add_ps(v, simd::load8(bias + col + 8 * h));
       store_row(y + r * ldy + col + 8 * h, v);
     }
