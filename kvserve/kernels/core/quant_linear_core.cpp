@@ -70,6 +70,15 @@ constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kChunkRows = 64;  // rows whose quantized x stays cache-resident while every group passes
 // below this many (row, group, block) steps the call runs on the calling thread
 constexpr int64_t kParallelMinWork = 512;
+// Without VNNI the 8-bit formats' sign trick costs three uops of the two pipes that multiply
+// (VPSIGNB, VPMADDUBSW, VPMADDWD: measured on Zen 4, VPSIGNB shares them) per 32 products. A
+// group's codes widened once into an int16 panel (codes − 128, two inputs per 32-bit lane),
+// against activations kept as int16 as well, cost one VPMADDWD per 16 products: where enough
+// rows share the panel to pay for its build. The integer sums are the same exact integers.
+constexpr bool kWidePanel = !KVSERVE_VNNI_DOT;
+constexpr int64_t kPanelMinRows = 16;
+constexpr int64_t kPanelSteps = kBlock / 2;  // 32-bit lanes (two inputs) per column per block
+constexpr int kPanelTileRows = 4;             // 6 spilled: 512 x 2048 -> 8192 Q8_0 67-70 -> 89 ms
 
 inline int64_t align64(int64_t n) { return (n + 63) & ~int64_t{63}; }
 
@@ -267,6 +276,51 @@ inline void block_sums6(const uint8_t* codes, const int8_t* x, int64_t K, __m256
   }
 }
 
+// The 8-bit block sums from a panel block (kWidePanel): S[r][h] = Σ_k (c_k − 128)·q_k for columns
+// 8h..8h+7, exact (|Σ| <= 32·128·127). panel: step s, half h at (s·2 + h)·16: lane c holds the
+// codes − 128 of inputs 2s, 2s+1 of column 8h + c; x16: the block's first input of row 0 as
+// int16 (rows K apart).
+template <int R>
+inline void block_sums_panel(const int16_t* panel, const int16_t* x16, int64_t K, __m256i (&S)[R][2]) {
+  for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int s = 0; s < kPanelSteps; ++s) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + s * 32));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + s * 32 + 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x16 + r * K + 2 * s, sizeof(pair));
+      const __m256i b = _mm256_set1_epi32(pair);
+      S[r][0] = _mm256_add_epi32(S[r][0], _mm256_madd_epi16(w0, b));
+      S[r][1] = _mm256_add_epi32(S[r][1], _mm256_madd_epi16(w1, b));
+    }
+  }
+}
+
+// Group g's 8-bit codes as the panel block_sums_panel reads: [K/32 blocks][16 steps][2 halves][8 lanes × 2]
+inline void build_panel(const uint8_t* codes, int64_t KB, int16_t* panel) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < KB; ++b)
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) {
+        // 32 bytes: columns 8h..8h+7, inputs 4j..4j+3 each (byte 4c + t)
+        const __m256i q = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 512 + j * 64 + 32 * h)), flip);
+        // int16, 32-bit lanes: A = (c0 t01, c0 t23, c1 t01, ..., c3 t23), B the same for c4..c7
+        const __m256 A = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+        const __m256 B = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+        // within 128-bit lanes: (c0, c1, c4, c5 | c2, c3, c6, c7); the 64-bit swap puts columns in order
+        const __m256i lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(A, B, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                    _MM_SHUFFLE(3, 1, 2, 0));
+        const __m256i hi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(A, B, _MM_SHUFFLE(3, 1, 3, 1))),
+                                                    _MM_SHUFFLE(3, 1, 2, 0));
+        int16_t* out = panel + (b * kPanelSteps + 2 * j) * 32 + 16 * h;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out), lo);        // step 2j: inputs 4j, 4j+1
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32), hi);   // step 2j+1: inputs 4j+2, 4j+3
+      }
+}
+
 inline void store_row(float* y, __m256 v) { simd::store8(y, v); }
 inline void store_row(uint16_t* y, __m256 v) { simd::store8(y, v); }
 
@@ -279,9 +333,12 @@ inline __m256i load8_i8_epi32(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
+// panel (8-bit formats, kWidePanel): the group's codes from build_panel and x16 the tile's
+// activations as int16; the codes otherwise.
 template <int F, int R, typename Out>
 void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
-                  const int32_t* xs_lo, int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+                  const int32_t* xs_lo, int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col,
+                  const int16_t* panel, const int16_t* x16) {
   using Fmt = Format<F>;
   const int64_t KB = K / kBlock;
   const uint8_t* codes = w.codes + g * KB * Fmt::kBytes;
@@ -312,9 +369,11 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
   };
   for (int64_t b = 0; b < KB; ++b, codes += Fmt::kBytes) {
     if constexpr (kAccInMemory) asm volatile("" : : "r"(&acc_mem[0][0][0]) : "memory");
+    if (!panel) {
 #pragma GCC unroll 8
-    for (int64_t line = 0; line < Fmt::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + line, _MM_HINT_T0);
+      for (int64_t line = 0; line < Fmt::kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + line, _MM_HINT_T0);
+    }
     const int64_t pb = Fmt::kKQuant ? b * kBlock / kSuper : w.per_channel ? 0 : b;  // the block's params
     const uint16_t* bs = scales + pb * kGroup;
     if constexpr (F == kFormatQ6K) {
@@ -339,7 +398,12 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
       continue;
     }
     __m256i S[R][2];
-    block_sums<F, R>(codes, xq + b * kBlock, K, S);
+    if constexpr (kWidePanel && Fmt::kBits == 8) {
+      if (panel) block_sums_panel<R>(panel + b * kPanelSteps * 32, x16 + b * kBlock, K, S);
+      else block_sums<F, R>(codes, xq + b * kBlock, K, S);
+    } else {
+      block_sums<F, R>(codes, xq + b * kBlock, K, S);
+    }
     __m256 d[2], m[2];
     if constexpr (F == kFormatQ4K) {  // d·sc and −dmin·mn in fp32, exactly
       const uint8_t* sb = sub + b * 2 * kGroup;
@@ -388,25 +452,47 @@ struct XView {
   const float* d;
   const int32_t* s;
   const int32_t* s_lo;
+  const int16_t* q16;  // the codes as int16 (kWidePanel, calls of kPanelMinRows rows or more), else nullptr
   XView at(int64_t row, int64_t K) const {
     const int64_t KB = K / kBlock;
-    return {q + row * K, d + row * KB, s + row * KB, s_lo + row * KB};
+    return {q + row * K, d + row * KB, s + row * KB, s_lo + row * KB, q16 ? q16 + row * K : nullptr};
   }
 };
 
 template <int F, int R, typename Out>
 inline void tile(int64_t n, const SegmentView& w, int64_t g, const XView& x, int64_t K, const uint16_t* bias, Out* y,
-                 int64_t ldy, int64_t col) {
+                 int64_t ldy, int64_t col, const int16_t* panel) {
   if constexpr (R > 1)
-    if (n < R) return tile<F, R - 1>(n, w, g, x, K, bias, y, ldy, col);
-  column_group<F, R>(w, g, x.q, x.d, x.s, x.s_lo, K, bias, y, ldy, col);
+    if (n < R) return tile<F, R - 1>(n, w, g, x, K, bias, y, ldy, col, panel);
+  column_group<F, R>(w, g, x.q, x.d, x.s, x.s_lo, K, bias, y, ldy, col, panel, x.q16);
 }
 
 template <int F, typename Out>
 void rows_of_group(int64_t rows, const SegmentView& w, int64_t g, const XView& x, int64_t K, const uint16_t* bias,
                    Out* y, int64_t ldy, int64_t col) {
+  const int16_t* panel = nullptr;
+  if constexpr (kWidePanel && Format<F>::kBits == 8) {
+    if (x.q16 && rows >= kPanelMinRows) {
+      // one per thread, reused by every group it takes (K·32 bytes: 64 KiB at K = 2048)
+      thread_local std::vector<int16_t> buffer;
+      const int64_t KB = K / kBlock;
+      buffer.resize(static_cast<size_t>(KB * kPanelSteps * 32 + 16));  // + 32 bytes to align the start
+      int16_t* start = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t{31});
+      build_panel(w.codes + g * KB * Format<F>::kBytes, KB, start);
+      panel = start;
+    }
+  }
+  if constexpr (kWidePanel && Format<F>::kBits == 8) {
+    if (panel) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kPanelTileRows)
+        tile<F, kPanelTileRows>(std::min<int64_t>(kPanelTileRows, rows - r0), w, g, x.at(r0, K), K, bias,
+                                y + r0 * ldy, ldy, col, panel);
+      return;
+    }
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
-    tile<F, kTileRows>(std::min<int64_t>(kTileRows, rows - r0), w, g, x.at(r0, K), K, bias, y + r0 * ldy, ldy, col);
+    tile<F, kTileRows>(std::min<int64_t>(kTileRows, rows - r0), w, g, x.at(r0, K), K, bias, y + r0 * ldy, ldy, col,
+                       panel);
 }
 
 template <typename Out>
@@ -456,7 +542,8 @@ void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, co
 
 size_t quant_linear_scratch_bytes(int64_t M, int64_t K) {
   const int64_t KB = K / kBlock;
-  return static_cast<size_t>(align64(M * K) + 3 * align64(M * KB * 4));
+  const int64_t wide = kWidePanel && M >= kPanelMinRows ? align64(M * K * 2) : 0;  // the int16 codes
+  return static_cast<size_t>(align64(M * K) + 3 * align64(M * KB * 4) + wide);
 }
 
 void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
@@ -468,6 +555,10 @@ void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const Segmen
   float* xd = reinterpret_cast<float*>(base + align64(M * K));
   int32_t* xs = reinterpret_cast<int32_t*>(base + align64(M * K) + align64(M * KB * 4));
   int32_t* xs_lo = reinterpret_cast<int32_t*>(base + align64(M * K) + 2 * align64(M * KB * 4));
+  bool wide = false;  // an 8-bit segment will read the int16 codes (rows_of_group's panel)
+  if (kWidePanel && M >= kPanelMinRows)
+    for (int64_t i = 0; i < num_segs; ++i) wide = wide || format_bits(segs[i].format) == 8;
+  int16_t* xq16 = wide ? reinterpret_cast<int16_t*>(base + align64(M * K) + 3 * align64(M * KB * 4)) : nullptr;
   // each block on its own: the split between threads cannot change a value
   const int64_t blocks = M * KB;
 #pragma omp parallel for schedule(static) if (blocks >= 2048)
@@ -475,8 +566,13 @@ void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const Segmen
     const int64_t off = (i / KB) * K + (i % KB) * kBlock;
     if (x_bf16) quantize_block(static_cast<const uint16_t*>(x) + off, xq + off, xd + i, xs + i, xs_lo + i);
     else quantize_block(static_cast<const float*>(x) + off, xq + off, xd + i, xs + i, xs_lo + i);
+    if (xq16) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + off));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq16 + off), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq16 + off + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+    }
   }
-  const XView xv{xq, xd, xs, xs_lo};
+  const XView xv{xq, xd, xs, xs_lo, xq16};
   if (y_bf16) run_all(M, K, segs, num_segs, xv, bias, static_cast<uint16_t*>(y));
   else run_all(M, K, segs, num_segs, xv, bias, static_cast<float*>(y));
 }
