@@ -381,6 +381,14 @@ void panel_range(const float* xp, const RowGroups& groups, const uint16_t* wp, u
       const bool resume = kb0 > 0, last = kb1 == KB;
       for (int64_t nb = mb; nb < me;) {
         const int b = group_blocks(kPanelBlocks, nb, me);
+        // The run's blocks are as many streams as the hardware prefetcher follows, each read a
+        // depth chunk at a time: ask for these blocks' next chunk (the next pass over the run)
+        // into L2 now, while the row groups compute on this one.
+        for (int i = 0; i < b && kb1 < KB; ++i) {
+          const char* next = reinterpret_cast<const char*>(wp + (nb + i) * bs + kb1 * kTileElems);
+          const int64_t bytes = (std::min(KB, kb1 + kc) - kb1) * kTileElems * 2;
+          for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+        }
         if (b == 2) widen_panel<2>(wp + nb * bs, bs, kb0, kb1, panel);
         else widen_panel<1>(wp + nb * bs, bs, kb0, kb1, panel);
         for (int64_t g = 0; g < groups.count; ++g) {
