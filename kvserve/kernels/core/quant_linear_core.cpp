@@ -22,7 +22,10 @@
 //                accumulate in int16 and widen once per block (VPMADDWD). 8-bit codes are
 //                not safe (255·127·2 > 32767): llama.cpp's sign trick, with q = c ^ 0x80
 //                signed, multiplies |q| (<= 128, unsigned) by x carrying q's sign (VPSIGNB):
-//                Σ q·x exact, and Σ c·x = Σ q·x + 128·Σx.
+//                Σ q·x exact, and Σ c·x = Σ q·x + 128·Σx. From kPanelMinRows rows, the 8-bit
+//                codes of a group are widened once into an int16 panel (q = c − 128) and
+//                multiplied by the activations as int16 with VPMADDWD (build_panel): the
+//                same exact Σ q·x by fewer uops of the multiply pipes.
 // Both levels reach the same exact integer, then the same fp32 operations: the builds agree
 // bitwise.
 //
@@ -472,20 +475,14 @@ inline void tile(int64_t n, const SegmentView& w, int64_t g, const XView& x, int
 template <int F, typename Out>
 void rows_of_group(int64_t rows, const SegmentView& w, int64_t g, const XView& x, int64_t K, const uint16_t* bias,
                    Out* y, int64_t ldy, int64_t col) {
-  const int16_t* panel = nullptr;
   if constexpr (kWidePanel && Format<F>::kBits == 8) {
     if (x.q16 && rows >= kPanelMinRows) {
       // one per thread, reused by every group it takes (K·32 bytes: 64 KiB at K = 2048)
       thread_local std::vector<int16_t> buffer;
       const int64_t KB = K / kBlock;
       buffer.resize(static_cast<size_t>(KB * kPanelSteps * 32 + 16));  // + 32 bytes to align the start
-      int16_t* start = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t{31});
-      build_panel(w.codes + g * KB * Format<F>::kBytes, KB, start);
-      panel = start;
-    }
-  }
-  if constexpr (kWidePanel && Format<F>::kBits == 8) {
-    if (panel) {
+      int16_t* panel = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t{31});
+      build_panel(w.codes + g * KB * Format<F>::kBytes, KB, panel);
       for (int64_t r0 = 0; r0 < rows; r0 += kPanelTileRows)
         tile<F, kPanelTileRows>(std::min<int64_t>(kPanelTileRows, rows - r0), w, g, x.at(r0, K), K, bias,
                                 y + r0 * ldy, ldy, col, panel);
@@ -494,7 +491,7 @@ void rows_of_group(int64_t rows, const SegmentView& w, int64_t g, const XView& x
   }
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
     tile<F, kTileRows>(std::min<int64_t>(kTileRows, rows - r0), w, g, x.at(r0, K), K, bias, y + r0 * ldy, ldy, col,
-                       panel);
+                       nullptr);
 }
 
 template <typename Out>
