@@ -367,6 +367,11 @@ def test_linear_without_amx_gives_a_row_the_same_bits_at_every_row_count():
     alone = torch.cat([lin(x[i : i + 1]) for i in range(64)])
     for rows in (1, 2, 3, 5, 8, 9, 17, 64, 65, 300, 1024):
         assert torch.equal(lin(x[:rows])[: min(rows, 64)], alone[: min(rows, 64)]), rows
+    # rows past the many-row path's first chunk of rows (and at its edges), each against itself alone
+    late = [140, 143, 144, 145, 200, 299]
+    together = lin(x[:300])
+    for i in late:
+        assert torch.equal(together[i], lin(x[i : i + 1])[0]), i
     for start in (0, 7, 100, 999):  # a row's place in the call does not matter either
         assert torch.equal(lin(x[start : start + 3])[0], lin(x[start : start + 1])[0])
 

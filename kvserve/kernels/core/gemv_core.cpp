@@ -66,7 +66,8 @@ constexpr int64_t kSplitChunkBytes = 8192;      // weights per depth chunk of th
 // Zen 4 core at both levels: the few-row path 10-25% faster up to 24 rows, the panels from 32
 // (widening a panel is a pass of its own that the few rows cannot amortize).
 constexpr int64_t kSplitRows = 24;
-constexpr int64_t kMacroBlocks = 32;             // column blocks per run (its partial sums: 72 × 512 fp32)
+constexpr int64_t kPanelRowChunk = 144;          // rows of x per pass of the panel path: each pass widens every panel
+constexpr int64_t kMacroBlocks = 16;             // column blocks per run (its partial sums: 144 × 256 fp32)
 // below this many multiply-adds a call runs on the calling thread (a fork costs microseconds)
 constexpr int64_t kParallelMacs = int64_t(1) << 18;
 
@@ -542,7 +543,7 @@ void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, i
     }
     return;
   }
-  const int64_t chunk = std::min(M, kRowChunk);
+  const int64_t chunk = std::min(M, kPanelRowChunk);
   float* xp = scratch(xbuf, static_cast<size_t>(chunk * K));
 #pragma omp parallel if (parallel)
   {
