@@ -21,7 +21,7 @@
 //   up to kSplitRows rows: the same tiles on groups of <= kDirectRows rows, the depth in
 //     chunks of 8 KiB of weights per column block, which the first group reads from memory
 //     and the others from L1 (partial sums parked between chunks).
-//   more rows (as BLIS blocks a GEMM): chunks of kRowChunk rows of x, converted to fp32 and
+//   more rows (as BLIS blocks a GEMM): chunks of kPanelRowChunk rows of x, converted to fp32 and
 //     packed per group of <= kPanelRows rows as [k][rows of the group] (shared by the
 //     threads); each thread's column blocks in runs of kMacroBlocks, the depth in chunks; per
 //     chunk and group of kPanelBlocks column blocks, the weights are widened once into an
@@ -59,7 +59,7 @@ namespace {
 constexpr int kVecRegs = simd::kVecRegs;
 
 constexpr int64_t kTileElems = kTileN * kTileK;  // bf16 per tile (1 KiB)
-constexpr int64_t kRowChunk = 72;                // rows of x (fp32) shared per pass of the many-row path
+constexpr int64_t kRowChunk = 72;                // rows of x (bf16) per pass of the pair tiles' many-row path
 constexpr int64_t kPanelBytes = 16384;           // fp32 panel of widened weights per depth chunk (L1)
 constexpr int64_t kSplitChunkBytes = 8192;      // weights per depth chunk of the few-row path (L1)
 // up to this many rows, the few-row path (split_range); past it, the panels. Measured on a
