@@ -86,6 +86,8 @@ constexpr int64_t kPanelSteps = kBlock / 2;  // 32-bit lanes (two inputs) per co
 constexpr int kPanelTileRows = 4;             // 6 spilled: 512 x 2048 -> 8192 Q8_0 67-70 -> 89 ms
 
 inline int64_t align64(int64_t n) { return (n + 63) & ~int64_t{63}; }
+// a call of M rows may read the 8-bit panel, so its scratch holds the activations as int16 too
+inline bool panel_may_run(int64_t M) { return kWidePanel && M >= kPanelMinRows; }
 
 // ---- activations --------------------------------------------------------------------------
 
@@ -541,7 +543,7 @@ void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, co
 
 size_t quant_linear_scratch_bytes(int64_t M, int64_t K) {
   const int64_t KB = K / kBlock;
-  const int64_t wide = kWidePanel && M >= kPanelMinRows ? align64(M * K * 2) : 0;  // the int16 codes
+  const int64_t wide = panel_may_run(M) ? align64(M * K * 2) : 0;  // the int16 codes
   return static_cast<size_t>(align64(M * K) + 3 * align64(M * KB * 4) + wide);
 }
 
@@ -555,7 +557,7 @@ void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const Segmen
   int32_t* xs = reinterpret_cast<int32_t*>(base + align64(M * K) + align64(M * KB * 4));
   int32_t* xs_lo = reinterpret_cast<int32_t*>(base + align64(M * K) + 2 * align64(M * KB * 4));
   bool wide = false;  // an 8-bit segment will read the int16 codes (rows_of_group's panel)
-  if (kWidePanel && M >= kPanelMinRows)
+  if (panel_may_run(M))
     for (int64_t i = 0; i < num_segs; ++i) wide = wide || format_bits(segs[i].format) == 8;
   int16_t* xq16 = wide ? reinterpret_cast<int16_t*>(base + align64(M * K) + 3 * align64(M * KB * 4)) : nullptr;
   // each block on its own: the split between threads cannot change a value
