@@ -61,8 +61,11 @@ def test_auto_runs_a_gguf_in_its_own_format_close_to_the_fp32_reference(quant_gg
         native_dev = max(abs(got[t] - ref[t]) for t in common)
         bf16_dev = max(abs(rounded[t] - ref[t]) for t in common)
         # int8 activations cost about what bf16 activations and weights do (a random tiny
-        # model amplifies both: its logits swing with any rounding)
-        assert native_dev < max(3 * bf16_dev, 0.1)
+        # model amplifies both: its logits swing with any rounding). The yardstick moves with
+        # the bf16 GEMM's summation order while the int8 path is the same at every level:
+        # Q4_1's first prompt measured 0.561 against bf16's 0.214 (2.6x) at avx2 to
+        # avx512-bf16, and against 0.175 (3.2x) at amx, whose tile GEMM rounds less.
+        assert native_dev < max(4 * bf16_dev, 0.1)
 
 
 @needs_quant_kernel
