@@ -193,12 +193,13 @@ class ModelArchitecture:
         return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     @property
-    def llama_layer(self) -> str | None:
-        """None where every layer is Llama's (what the fused decode step runs), else what differs."""
+    def fused_layer_refusal(self) -> str | None:
+        """None where the fused decode step (kernels/fused_decode.cpp) runs every layer as it is,
+        else what it does not run. It runs Llama's layer and the options of it the other
+        families name (q/k norms, Gemma's norms after each branch, GeGLU, local RoPE tables,
+        per-group KV); scaled embeddings and final soft-capping sit outside its layers."""
         parts = [what for what, differs in (
-            ("norms after attention and the MLP", self.sandwich_norms), (f"a {self.hidden_act} MLP", self.hidden_act != "silu"),
-            ("local and global RoPE bases", self.rope_local_theta is not None),
-            ("scaled embeddings", self.embedding_scale != 1.0),
+            (f"a {self.hidden_act} MLP", self.hidden_act not in ("silu", "gelu_tanh")),
             ("soft-capped attention scores", self.attn_logit_softcapping is not None),
         ) if differs]  # fmt: skip
         return ", ".join(parts) or None

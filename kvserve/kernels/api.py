@@ -125,6 +125,11 @@ class DecodeLayer(Protocol):
         down: Projection,
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
+        attn_out_norm: torch.Tensor | None = None,
+        mlp_out_norm: torch.Tensor | None = None,
+        gelu: bool = False,
+        local: bool = False,
+        kv_group: int = 0,
     ) -> None: ...
 
     @property
@@ -153,11 +158,31 @@ class DecodeLayer(Protocol):
 
     @property
     def gate_up(self) -> Projection:
-        """The fused [gate; up] projection (linear_silu_mul)."""
+        """The fused [gate; up] projection (linear_silu_mul; with gelu, linear then gelu_tanh_and_mul)."""
 
     @property
     def down(self) -> Projection:
         """The MLP's down projection."""
+
+    @property
+    def attn_out_norm(self) -> torch.Tensor | None:
+        """RMSNorm weight on the attention output before the residual add (Gemma); None where the model has none."""
+
+    @property
+    def mlp_out_norm(self) -> torch.Tensor | None:
+        """RMSNorm weight on the MLP output before the residual add (Gemma); None where the model has none."""
+
+    @property
+    def gelu(self) -> bool:
+        """The MLP is gelu_tanh(gate) * up (Gemma's GeGLU), else silu(gate) * up."""
+
+    @property
+    def local(self) -> bool:
+        """RoPE from the model's local tables (Gemma 3's sliding-window layers)."""
+
+    @property
+    def kv_group(self) -> int:
+        """Which of the step's slot mappings and block tables (one per KV group) the layer's pools are indexed by."""
 
 
 class DecodeModel(Protocol):
@@ -178,6 +203,8 @@ class DecodeModel(Protocol):
         scale: float,
         k_scales: Sequence[torch.Tensor] = (),
         v_scales: Sequence[torch.Tensor] = (),
+        cos_local: torch.Tensor | None = None,
+        sin_local: torch.Tensor | None = None,
     ) -> None: ...
 
     @property
@@ -227,6 +254,14 @@ class DecodeModel(Protocol):
     @property
     def v_scales(self) -> list[torch.Tensor]:
         """int8 V pools' scales, shaped as k_scales; empty for float pools."""
+
+    @property
+    def cos_local(self) -> torch.Tensor | None:
+        """The local layers' RoPE cosines (their own base), shaped as cos_half; None where no layer is local."""
+
+    @property
+    def sin_local(self) -> torch.Tensor | None:
+        """The local layers' RoPE sines; None where no layer is local."""
 
 
 class SharedPrefixLevel(Protocol):
@@ -365,6 +400,9 @@ class CpuOps(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
         """[T, 2F] -> silu(gate) * up, [T, F]."""
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
+        """[T, 2F] -> gelu_tanh(gate) * up, [T, F] (Gemma's GeGLU)."""
+
     def argmax_rows(self, x: torch.Tensor, /) -> torch.Tensor:
         """Row-wise argmax of [R, V], ties to the lowest index (int64 [R])."""
 
@@ -470,10 +508,11 @@ class CpuOps(Protocol):
         model: DecodeModel,
         h: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
+        slot_mappings: Sequence[torch.Tensor],
+        block_tables: Sequence[torch.Tensor],
         context_lens: torch.Tensor,
         shared_prefix: SharedPrefixDecodePlan | None = None,
     ) -> torch.Tensor:
         """Every decoder layer of a decode batch in one call; the residual stream after the last (before the final
-        norm). With a shared-prefix plan each layer's attention is shared_prefix_decode_attention."""
+        norm). slot_mappings, block_tables: one per KV group, each layer reading its kv_group's. With a
+        shared-prefix plan (one group only) each layer's attention is shared_prefix_decode_attention."""

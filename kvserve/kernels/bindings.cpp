@@ -49,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_int8", &rope_and_cache_int8,
         "RoPE on Q and K, K/V quantized into int8 pools with a scale per (slot, KV head); returns Q");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");
   m.def("gemv_vnni", &gemv_vnni, "y = x @ w.T for small M, bf16, on amx_pack_weight(w)");
   m.def("gemm_vnni", &gemm_vnni, "y = x @ w.T for any M, bf16, on amx_pack_weight(w)");
@@ -85,7 +86,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("projection"));
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode batch in one call; the residual stream after the last (before the final norm)",
-        py::arg("model"), py::arg("h"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
+        py::arg("model"), py::arg("h"), py::arg("positions"), py::arg("slot_mappings"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("shared_prefix") = nullptr);
   m.def("shared_prefix_decode_attention", &shared_prefix_decode_attention,
         "decode attention in parts by a shared-prefix plan (suffixes, then each level read once), merged in place",
@@ -141,13 +142,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local(), "one decoder layer's norms and projections, for decode_layers")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, Projection qkv, Projection o,
                        Projection gate_up, Projection down, c10::optional<at::Tensor> q_norm,
-                       c10::optional<at::Tensor> k_norm) {
+                       c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
+                       c10::optional<at::Tensor> mlp_out_norm, bool gelu, bool local, int64_t kv_group) {
              TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayer: q_norm and k_norm come together");
+             TORCH_CHECK(!gelu || !gate_up.silu_interleaved, "DecodeLayer: a GeGLU layer needs the plain [gate; up] projection");
              return DecodeLayer{input_norm, post_attention_norm, q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()),
-                                qkv, o, gate_up, down};
+                                qkv, o, gate_up, down, attn_out_norm.value_or(at::Tensor()),
+                                mlp_out_norm.value_or(at::Tensor()), gelu, local, kv_group};
            }),
            py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
+           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("gelu") = false,
+           py::arg("local") = false, py::arg("kv_group") = 0)
       .def_readonly("input_norm", &DecodeLayer::input_norm)
       .def_readonly("post_attention_norm", &DecodeLayer::post_attention_norm)
       .def_property_readonly("q_norm", maybe(&DecodeLayer::q_norm))
@@ -155,16 +161,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("qkv", &DecodeLayer::qkv)
       .def_readonly("o", &DecodeLayer::o)
       .def_readonly("gate_up", &DecodeLayer::gate_up)
-      .def_readonly("down", &DecodeLayer::down);
+      .def_readonly("down", &DecodeLayer::down)
+      .def_property_readonly("attn_out_norm", maybe(&DecodeLayer::attn_out_norm))
+      .def_property_readonly("mlp_out_norm", maybe(&DecodeLayer::mlp_out_norm))
+      .def_readonly("gelu", &DecodeLayer::gelu)
+      .def_readonly("local", &DecodeLayer::local)
+      .def_readonly("kv_group", &DecodeLayer::kv_group);
 
   py::class_<DecodeModel>(m, "DecodeModel", py::module_local(), "every layer, the KV pools and the shapes decode_layers runs on")
-      .def(py::init<std::vector<DecodeLayer>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
-                    at::Tensor, int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
-                    std::vector<at::Tensor>>(),
+      .def(py::init([](std::vector<DecodeLayer> layers, std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,
+                       at::Tensor cos_half, at::Tensor sin_half, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, double eps, double scale, std::vector<at::Tensor> k_scales,
+                       std::vector<at::Tensor> v_scales, c10::optional<at::Tensor> cos_local,
+                       c10::optional<at::Tensor> sin_local) {
+             TORCH_CHECK(cos_local.has_value() == sin_local.has_value(), "DecodeModel: cos_local and sin_local come together");
+             return DecodeModel{std::move(layers), std::move(k_pools), std::move(v_pools), cos_half, sin_half, num_heads,
+                                num_kv_heads, head_dim, eps, scale, std::move(k_scales), std::move(v_scales),
+                                cos_local.value_or(at::Tensor()), sin_local.value_or(at::Tensor())};
+           }),
            py::kw_only(), py::arg("layers"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos_half"),
            py::arg("sin_half"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("scale"), py::arg("k_scales") = std::vector<at::Tensor>(),
-           py::arg("v_scales") = std::vector<at::Tensor>())
+           py::arg("v_scales") = std::vector<at::Tensor>(), py::arg("cos_local") = py::none(),
+           py::arg("sin_local") = py::none())
       .def_readonly("layers", &DecodeModel::layers)
       .def_readonly("k_pools", &DecodeModel::k_pools)
       .def_readonly("v_pools", &DecodeModel::v_pools)
@@ -176,7 +195,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("eps", &DecodeModel::eps)
       .def_readonly("scale", &DecodeModel::scale)
       .def_readonly("k_scales", &DecodeModel::k_scales)
-      .def_readonly("v_scales", &DecodeModel::v_scales);
+      .def_readonly("v_scales", &DecodeModel::v_scales)
+      .def_property_readonly("cos_local", maybe(&DecodeModel::cos_local))
+      .def_property_readonly("sin_local", maybe(&DecodeModel::sin_local));
 
   py::class_<SharedPrefixLevel>(m, "SharedPrefixLevel", py::module_local(), "one shared level of a decode plan: member rows, blocks, positions")
       .def(py::init<at::Tensor, at::Tensor, int64_t>(), py::kw_only(), py::arg("members"), py::arg("blocks"),

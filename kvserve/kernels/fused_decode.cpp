@@ -8,7 +8,9 @@
 // bf16 or int8 KV pools: with int8 ones the model carries their scales (DecodeModel.k_scales).
 // A shared-prefix plan (`shared_prefix`) replaces each layer's decode attention by
 // shared_prefix_decode_attention, so reading a prefix once per group does not cost the step its
-// single call.
+// single call. Gemma's layer is the same layer with options (DecodeLayer): a norm on each
+// branch's output before the residual add, GeGLU for SwiGLU, the local layers' own RoPE tables
+// and KV group (each group's layers index its own slots and blocks).
 #include <ATen/core/Tensor.h>
 
 #include "kernels.h"
@@ -25,15 +27,17 @@ void norm_heads_(at::Tensor& qkv, const DecodeLayer& layer, int64_t num_heads, i
   for (int part = 0; part < 2; ++part) {
     const int64_t first = part == 0 ? 0 : num_heads, count = part == 0 ? num_heads : num_kv_heads;
     at::Tensor rows = heads.narrow(1, first, count);
-    rows.copy_(rms_norm(rows.reshape({T * count, head_dim}), part == 0 ? layer.q_norm : layer.k_norm, eps, c10::nullopt)
+    // contiguous: with one KV head the key rows are a strided view (as model/llama.py makes them too)
+    rows.copy_(rms_norm(rows.reshape({T * count, head_dim}).contiguous(), part == 0 ? layer.q_norm : layer.k_norm, eps, c10::nullopt)
                    .view({T, count, head_dim}));
   }
 }
 
 }  // namespace
 
-at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix) {
+at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions,
+                         const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
+                         at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix) {
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
               "decode_layers: one K and one V pool per layer, got ", model.layers.size(), " layers, ",
               model.k_pools.size(), " K and ", model.v_pools.size(), " V pools");
@@ -42,12 +46,26 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
   TORCH_CHECK(!int8 || (model.k_scales.size() == model.layers.size() && model.v_scales.size() == model.layers.size()),
               "decode_layers: int8 pools need one K and one V scale pool per layer, got ", model.k_scales.size(), " and ",
               model.v_scales.size(), " for ", model.layers.size(), " layers");
+  TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size(),
+              "decode_layers: one slot mapping and one block table per KV group, got ", slot_mappings.size(), " and ",
+              block_tables.size());
+  TORCH_CHECK(!shared_prefix || slot_mappings.size() == 1, "decode_layers: a shared-prefix plan indexes one KV group's "
+              "blocks, got ", slot_mappings.size(), " groups");
+  for (const DecodeLayer& layer : model.layers) {
+    TORCH_CHECK(layer.kv_group >= 0 && layer.kv_group < static_cast<int64_t>(slot_mappings.size()),
+                "decode_layers: a layer of KV group ", layer.kv_group, " in a step of ", slot_mappings.size(), " groups");
+    TORCH_CHECK(!layer.local || model.cos_local.defined(), "decode_layers: a local layer in a model without local RoPE tables");
+  }
   const int64_t B = h.size(0);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const double eps = model.eps;
   at::Tensor residual;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     const DecodeLayer& layer = model.layers[l];
+    const at::Tensor& slot_mapping = slot_mappings[layer.kv_group];
+    const at::Tensor& tables = block_tables[layer.kv_group];
+    const at::Tensor& cos = layer.local ? model.cos_local : model.cos_half;
+    const at::Tensor& sin = layer.local ? model.sin_local : model.sin_half;
     at::Tensor x = residual.defined() ? rms_norm(h, layer.input_norm, eps, residual)
                                       : rms_norm(h, layer.input_norm, eps, c10::nullopt);
     if (!residual.defined()) residual = h;
@@ -58,21 +76,23 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
     if (int8) {
       k_scale = model.k_scales[l];
       v_scale = model.v_scales[l];
-      q = rope_and_cache_int8(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
-                              model.k_scales[l], model.v_scales[l], slot_mapping, num_heads, num_kv_heads, head_dim);
+      q = rope_and_cache_int8(qkv, positions, cos, sin, model.k_pools[l], model.v_pools[l], model.k_scales[l],
+                              model.v_scales[l], slot_mapping, num_heads, num_kv_heads, head_dim);
     } else {
-      q = rope_and_cache(qkv, positions, model.cos_half, model.sin_half, model.k_pools[l], model.v_pools[l],
-                         slot_mapping, num_heads, num_kv_heads, head_dim);
+      q = rope_and_cache(qkv, positions, cos, sin, model.k_pools[l], model.v_pools[l], slot_mapping, num_heads,
+                         num_kv_heads, head_dim);
     }
     if (shared_prefix)
-      attn = shared_prefix_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, *shared_prefix,
-                                      model.scale, k_scale, v_scale);
+      attn = shared_prefix_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, *shared_prefix,
+                                            model.scale, k_scale, v_scale);
     else
-      attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], block_tables, context_lens, model.scale,
-                                    k_scale, v_scale);
+      attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, model.scale, k_scale,
+                                    v_scale);
     at::Tensor o = linear(attn.view({B, num_heads * head_dim}), layer.o);
+    if (layer.attn_out_norm.defined()) o = rms_norm(o, layer.attn_out_norm, eps, c10::nullopt);
     x = rms_norm(o, layer.post_attention_norm, eps, residual);
-    h = linear(linear_silu_mul(x, layer.gate_up), layer.down);
+    h = linear(layer.gelu ? gelu_tanh_and_mul(linear(x, layer.gate_up)) : linear_silu_mul(x, layer.gate_up), layer.down);
+    if (layer.mlp_out_norm.defined()) h = rms_norm(h, layer.mlp_out_norm, eps, c10::nullopt);
   }
   return residual.add_(h);
 }

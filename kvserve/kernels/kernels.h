@@ -10,7 +10,7 @@
 //   decode_attention         paged_decode_attention (_lse: a range of positions, fp32 out + lse)
 //   shared_prefix_attention  shared_prefix_attention, merge_attention_states: read-once shared-prefix decode attention
 //   prefill_attention        paged_prefill_attention
-//   norm_rope_act            rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul
+//   norm_rope_act            rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul, gelu_tanh_and_mul
 //   argmax                   argmax_rows
 //   quant_linear             quant_linear, quant_embedding: block-quantized weights (int8 dot products)
 //
@@ -228,6 +228,7 @@ at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor 
                                at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale, at::Tensor v_scale,
                                at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);  // Gemma's GeGLU: gelu_tanh(gate) · up
 
 // ---- argmax.cpp ---------------------------------------------------------------------------
 
@@ -300,9 +301,15 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const Projection& p);
 // ---- fused_decode.cpp ---------------------------------------------------------------------
 
 struct DecodeLayer {
-  at::Tensor input_norm, post_attention_norm;  // RMSNorm weights
-  at::Tensor q_norm, k_norm;  // per-head q/k RMSNorm weights [H] (Qwen3); undefined where the model has none
+  at::Tensor input_norm, post_attention_norm;  // RMSNorm weights: before attention, before the MLP
+  at::Tensor q_norm, k_norm;  // per-head q/k RMSNorm weights [H] (Qwen3, Gemma 3); undefined where the model has none
   Projection qkv, o, gate_up, down;
+  // Gemma's norms of each branch's output before it joins the residual stream (its
+  // post_attention_layernorm and post_feedforward_layernorm); undefined where the model has none
+  at::Tensor attn_out_norm, mlp_out_norm;
+  bool gelu = false;    // the MLP is gelu_tanh(gate)·up on a plain [gate; up] projection (Gemma), else SiLU's
+  bool local = false;   // RoPE from the model's local tables (Gemma 3's sliding-window layers)
+  int64_t kv_group = 0;  // the step's slot mapping and block tables this layer's pools are indexed by
 };
 
 struct DecodeModel {  // built once per loaded model (and again when the KV pools are rebound)
@@ -313,10 +320,14 @@ struct DecodeModel {  // built once per loaded model (and again when the KV pool
   double eps, scale;
   // int8 pools' scales [num_blocks, block_size, N_kv] fp32, one per layer; empty for float pools
   std::vector<at::Tensor> k_scales, v_scales;
+  at::Tensor cos_local, sin_local;  // the local layers' RoPE tables (their own base); undefined where none is local
 };
 
 // Every decoder layer of a decode batch in one call; returns the residual stream after the
-// last layer (before the final norm). With a shared-prefix plan (not null) each layer's attention
-// reads the shared prefixes once per group (shared_prefix_decode_attention).
-at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix = nullptr);
+// last layer (before the final norm). slot_mappings and block_tables: one per KV group
+// (engine/kv_groups.py; a model whose layers are of one kind has one), layer l reading
+// entry layers[l].kv_group. With a shared-prefix plan (not null; one group only) each layer's
+// attention reads the shared prefixes once per group (shared_prefix_decode_attention).
+at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions,
+                         const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
+                         at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix = nullptr);

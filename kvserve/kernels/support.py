@@ -196,7 +196,9 @@ class KernelSupport:
             [family("norm_rope_act"), multiple(hd, lim["rms_norm_width_multiple"], "head_dim")],
             "rms_norm over each q and k head, before RoPE",
         ) if arch.qk_norm else KernelChoice.off("no per-head q/k norm in this architecture")
-        silu_and_mul = verdict([family("norm_rope_act"), multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")], "one pass")
+        # the MLP's activation (SiLU, or Gemma's gelu_tanh: gelu_tanh_and_mul) times up, in one pass
+        silu_and_mul = verdict([family("norm_rope_act"), multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")],
+                               "one pass" if arch.hidden_act == "silu" else f"{arch.hidden_act}(gate)·up, one pass")
         argmax_rows = verdict([family("argmax")], "greedy rows of the sampler")
 
         vnni_tiles = prepack_weights and (not amx or deterministic)
@@ -233,7 +235,7 @@ class KernelSupport:
                for name, c in (("decode attention", decode_attention), ("rms_norm", rms_norm),
                                ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))]
             + [None if qk_norm.enabled or not arch.qk_norm else "q/k norm is off",
-               None if arch.llama_layer is None else f"the step runs Llama's layer; this one has {arch.llama_layer}"],
+               None if arch.fused_layer_refusal is None else f"the step does not run {arch.fused_layer_refusal}"],
             "all layers of a decode batch in one C++ call",
         )
         return cls(

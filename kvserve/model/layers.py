@@ -162,14 +162,19 @@ class SiluMLP(nn.Module):
 
 
 class GeluTanhMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's GeGLU): gate and up in one matmul, the
-    activation in torch (the fused SiLU epilogues do not apply)."""
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's GeGLU): gate and up in one plain matmul, the
+    activation by the kernels' gelu_tanh_and_mul where KernelSupport turned the MLP activation
+    on (the fused decode step runs the same op), else in torch."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, kernels: KernelSupport):
         super().__init__()
         self.gate_up = Linear(cat_rows([gate, up]), None, kernels)
         self.down = Linear(down, None, kernels)
+        self.act_ops = kernels.op("silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.act_ops is not None and gate_up.is_contiguous():
+            return self.down(self.act_ops.gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(torch.nn.functional.gelu(gate, approximate="tanh") * up)

@@ -142,7 +142,8 @@ def norm_heads_(
     heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, head_dim)
     for first, count, norm in ((0, num_heads, q_norm), (num_heads, num_kv_heads, k_norm)):
         rows = heads[:, first : first + count]
-        rows.copy_(norm(rows.reshape(tokens * count, head_dim)).view(tokens, count, head_dim))
+        # contiguous: with one KV head the key rows are a strided view, which rms_norm's kernel does not take
+        rows.copy_(norm(rows.reshape(tokens * count, head_dim).contiguous()).view(tokens, count, head_dim))
     return qkv
 
 
@@ -401,14 +402,18 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 h, residual = layer(h, residual, None, steps[layer.local])
             return residual.add_(h)
-        grouped = isinstance(meta, GroupedMetadata)  # tables per KV group: the fused step reads one
-        if not grouped and not meta.prefills and not meta.windowed and 0 < input_ids.shape[0] <= self.fused_decode_rows():
+        # tables per KV group: the fused step takes each group's slots and tables, a layer reading its group's
+        groups = meta.groups if isinstance(meta, GroupedMetadata) else [meta]
+        plan = meta.shared_prefix
+        if (not meta.prefills and not any(m.windowed for m in groups) and (plan is None or len(groups) == 1)
+                and 0 < input_ids.shape[0] <= self.fused_decode_rows()):
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
-            # attention in its parts (kernels/shared_prefix_decode.cpp); a step where a row
-            # sees past a sliding window goes layer by layer (attention/sliding_window.py)
-            plan = meta.shared_prefix
+            # attention in its parts (kernels/shared_prefix_decode.cpp; its blocks are one
+            # group's, so a grouped model's plan goes layer by layer); a step where a row sees
+            # past a sliding window goes layer by layer (attention/sliding_window.py)
             return self.kernels.ops.decode_layers(
-                self.decode_model(), h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                self.decode_model(), h, positions, [m.slot_mapping for m in groups],
+                [m.decode_block_tables for m in groups], groups[0].decode_context_lens,
                 plan.kernel_plan if plan is not None else None,
             )
         ropes = self._ropes(positions, h.dtype)
@@ -469,6 +474,9 @@ class LlamaForCausalLM(nn.Module):
                     down=layer.mlp.down.fused_projection(),
                     q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight.detach(),
                     k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight.detach(),
+                    attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight.detach(),
+                    mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight.detach(),
+                    gelu=isinstance(layer.mlp, GeluTanhMLP), local=layer.local, kv_group=layer.kv_group,
                 )
                 for layer in self.layers
             ]
@@ -482,6 +490,8 @@ class LlamaForCausalLM(nn.Module):
                 k_scales=[a.k_scale for a in attns] if int8 else [],  # empty: float pools
                 v_scales=[a.v_scale for a in attns] if int8 else [],
                 cos_half=self.rotary.cos_half, sin_half=self.rotary.sin_half,
+                cos_local=None if self.local_rotary is None else self.local_rotary.cos_half,
+                sin_local=None if self.local_rotary is None else self.local_rotary.sin_half,
                 num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
                 eps=arch.rms_norm_eps, scale=arch.attention_scale,
             )  # fmt: skip

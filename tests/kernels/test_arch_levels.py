@@ -30,6 +30,9 @@ SHAPES = {
     # which the prompt passes (the local layer's rows past it on the decode kernel's ranges)
     "gemma3-hd256": dict(model_type="gemma3_text", num_heads=2, num_kv_heads=1, hidden_size=256, head_dim=256, num_layers=2,
                          sliding_window=8),
+    # Gemma 3's layer within its window: one local and one global layer, so two KV groups, on the fused step
+    "gemma3-groups": dict(model_type="gemma3_text", num_heads=4, num_kv_heads=1, hidden_size=256, head_dim=128, num_layers=2,
+                          sliding_window=64, sliding_window_pattern=2),
     # Gemma 2's soft-capped scores (attention on torch, the rest on the kernels), its even layer local
     "gemma2-softcap": dict(model_type="gemma2", num_heads=4, num_kv_heads=2, hidden_size=256, head_dim=64, num_layers=2,
                            sliding_window=8),
@@ -37,8 +40,8 @@ SHAPES = {
     "mistral-window": dict(model_type="mistral", num_heads=4, num_kv_heads=2, hidden_size=256, sliding_window=8),
 }
 PARTIAL = {"phi4-partial"}
-NOT_FUSED = PARTIAL | {"gemma3-hd256", "gemma2-softcap"}  # the fused step runs Llama's layer with full rotary only
-WINDOWED = {"mistral-window"}  # its steps all see past the window, so none takes the fused step
+NOT_FUSED = PARTIAL | {"gemma2-softcap"}  # the fused step needs full rotary and the attention kernel (no soft-cap)
+WINDOWED = {"mistral-window", "gemma3-hd256"}  # their steps all see past the window, so none takes the fused step
 PROMPT = "What is the capital of France? The capital"
 STEPS = 4
 
@@ -94,11 +97,17 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s not in NOT_FUSED | WINDOWED])
-def test_fused_decode_equals_layer_by_layer(kernel_level, shape_dirs, shape):
+def test_fused_decode_equals_layer_by_layer(kernel_level, shape_dirs, shape, monkeypatch):
     engine = _engine(shape_dirs[shape])
     prompt = engine.tokenizer.encode(PROMPT)
     assert engine.model.fused_decode_rows() > 0
+    module = engine.model.kernels.ops
+    calls, step = [], module.decode_layers
+    monkeypatch.setattr(module, "decode_layers", lambda *a: calls.append(len(a[3])) or step(*a))
     fused, _ = _trajectory(engine, prompt, STEPS)
+    groups = 2 if shape == "gemma3-groups" else 1  # its local and its global layer index blocks of their own
+    assert calls == [groups] * STEPS  # every decode step took the fused call, with each KV group's slots
     engine.model.fused_decode = False
     layered, _ = _trajectory(engine, prompt, STEPS)
+    assert len(calls) == STEPS
     assert torch.equal(fused, layered)

@@ -201,8 +201,11 @@ def test_projection_takes_keywords_only():
         ops.Projection(_weights(False)[0])
 
 
-def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64, block=16, blocks=8, int8=False):
-    """A random DecodeModel; `int8`: its pools quantized by quantize_kv, with their scales."""
+def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64, block=16, blocks=8, int8=False,
+                gemma=False):
+    """A random DecodeModel; `int8`: its pools quantized by quantize_kv, with their scales;
+    `gemma`: Gemma 3's layer options (a norm on each branch's output, GeGLU, q/k norms), the
+    odd layers local (their own RoPE tables) and in KV group 1."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -212,11 +215,16 @@ def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64,
         return ops.Projection(weight=rand(n, k, scale=k**-0.5), bias=rand(n) if bias else None, gemv_max_rows=8)
 
     qkv_n = (heads + 2 * kv_heads) * head_dim
-    decoder = [
-        ops.DecodeLayer(input_norm=rand(hidden), post_attention_norm=rand(hidden), qkv=proj(qkv_n, hidden, bias=True),
-                        o=proj(hidden, heads * head_dim), gate_up=proj(2 * inter, hidden), down=proj(hidden, inter))
-        for _ in range(layers)
-    ]  # fmt: skip
+
+    def layer(i):
+        common = dict(input_norm=rand(hidden), post_attention_norm=rand(hidden), qkv=proj(qkv_n, hidden, bias=not gemma),
+                      o=proj(hidden, heads * head_dim), gate_up=proj(2 * inter, hidden), down=proj(hidden, inter))
+        if not gemma:
+            return ops.DecodeLayer(**common)
+        return ops.DecodeLayer(**common, q_norm=rand(head_dim), k_norm=rand(head_dim), attn_out_norm=rand(hidden),
+                               mlp_out_norm=rand(hidden), gelu=True, local=i % 2 == 1, kv_group=i % 2)
+
+    decoder = [layer(i) for i in range(layers)]
     pools = [rand(blocks, block, kv_heads, head_dim) for _ in range(2 * layers)]
     angles = torch.arange(64).float()[:, None] * torch.rand(head_dim // 2, generator=g)[None]
     scales = {}
@@ -226,16 +234,24 @@ def _tiny_model(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=64,
         quantized = [quantize_kv(p) for p in pools]
         pools = [q for q, _ in quantized]
         scales = dict(k_scales=[s for _, s in quantized[:layers]], v_scales=[s for _, s in quantized[layers:]])
+    if gemma:
+        local = angles * 0.25  # another base
+        scales.update(cos_local=local.cos(), sin_local=local.sin())
     return ops.DecodeModel(layers=decoder, k_pools=pools[:layers], v_pools=pools[layers:], cos_half=angles.cos(),
                            sin_half=angles.sin(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                            eps=1e-5, scale=head_dim**-0.5, **scales)  # fmt: skip
 
 
-def _step_inputs(batch=3, block=16):
+def _step_inputs(batch=3, block=16, groups=1):
+    """positions, then per KV group its slots and tables (group i's blocks shifted by i: each group
+    indexes blocks of its own), then the context lengths"""
     lens = torch.tensor([5, 17, 30][:batch], dtype=torch.int32)
-    tables = torch.arange(batch * 2, dtype=torch.int32).view(batch, 2)
     positions = (lens - 1).long()
-    slots = tables[torch.arange(batch), positions // block].long() * block + positions % block
+    slots, tables = [], []
+    for i in range(groups):
+        t = torch.arange(batch * 2, dtype=torch.int32).view(batch, 2) + i
+        tables.append(t)
+        slots.append(t[torch.arange(batch), positions // block].long() * block + positions % block)
     return positions, slots, tables, lens
 
 
@@ -245,21 +261,63 @@ def _layer_by_layer(model, h, positions, slots, tables, lens):
     for layer, k, v in zip(model.layers, model.k_pools, model.v_pools):
         x = ops.rms_norm(h, layer.input_norm, model.eps, residual)
         residual = h if residual is None else residual
-        q = ops.rope_and_cache(ops.linear(x, layer.qkv), positions, model.cos_half, model.sin_half, k, v, slots,
-                               model.num_heads, model.num_kv_heads, model.head_dim)  # fmt: skip
-        attn = ops.paged_decode_attention(q, k, v, tables, lens, model.scale)
-        x = ops.rms_norm(ops.linear(attn.view(h.shape[0], -1), layer.o), layer.post_attention_norm, model.eps, residual)
-        h = ops.linear(ops.linear_silu_mul(x, layer.gate_up), layer.down)
+        qkv = ops.linear(x, layer.qkv)
+        if layer.q_norm is not None:
+            heads = qkv.view(qkv.shape[0], -1, model.head_dim)
+            for first, count, w in ((0, model.num_heads, layer.q_norm), (model.num_heads, model.num_kv_heads, layer.k_norm)):
+                part = heads[:, first : first + count]
+                part.copy_(ops.rms_norm(part.reshape(-1, model.head_dim).contiguous(), w, model.eps, None).view(part.shape))
+        cos, sin = (model.cos_local, model.sin_local) if layer.local else (model.cos_half, model.sin_half)
+        g = layer.kv_group
+        q = ops.rope_and_cache(qkv, positions, cos, sin, k, v, slots[g], model.num_heads, model.num_kv_heads,
+                               model.head_dim)  # fmt: skip
+        attn = ops.paged_decode_attention(q, k, v, tables[g], lens, model.scale)
+        o = ops.linear(attn.view(h.shape[0], -1), layer.o)
+        if layer.attn_out_norm is not None:
+            o = ops.rms_norm(o, layer.attn_out_norm, model.eps, None)
+        x = ops.rms_norm(o, layer.post_attention_norm, model.eps, residual)
+        act = ops.gelu_tanh_and_mul(ops.linear(x, layer.gate_up)) if layer.gelu else ops.linear_silu_mul(x, layer.gate_up)
+        h = ops.linear(act, layer.down)
+        if layer.mlp_out_norm is not None:
+            h = ops.rms_norm(h, layer.mlp_out_norm, model.eps, None)
     return residual.add_(h)
 
 
-def test_decode_layers_is_the_bindings_layer_by_layer_bitwise():
-    fused, stepwise = _tiny_model(), _tiny_model()  # same seed: equal weights, separate pools
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
+def test_decode_layers_is_the_bindings_layer_by_layer_bitwise(gemma):
+    fused, stepwise = _tiny_model(gemma=gemma), _tiny_model(gemma=gemma)  # same seed: equal weights, separate pools
     h = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
-    inputs = _step_inputs()
+    inputs = _step_inputs(groups=2 if gemma else 1)
     expected = _layer_by_layer(stepwise, h.clone(), *inputs)
     assert torch.equal(ops.decode_layers(fused, h.clone(), *inputs), expected)
     assert all(torch.equal(a, b) for a, b in zip(fused.k_pools + fused.v_pools, stepwise.k_pools + stepwise.v_pools))
+    if gemma:  # each option bites: the same weights with one option undone give another result
+        assert fused.layers[1].local and fused.layers[1].kv_group == 1 and fused.layers[0].gelu
+        for undone in (dict(gelu=False), dict(local=False), dict(attn_out_norm=None), dict(mlp_out_norm=None)):
+            other = _tiny_model(gemma=True)
+            layers = [_layer_with(layer, **undone) for layer in other.layers]
+            other = _model_with(other, layers)
+            assert not torch.equal(ops.decode_layers(other, h.clone(), *inputs), expected), undone
+
+
+def _layer_with(layer, **changes):
+    """A DecodeLayer as `layer` but for `changes`."""
+    fields = ("input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm", "attn_out_norm",
+              "mlp_out_norm", "gelu", "local", "kv_group")
+    return ops.DecodeLayer(**{f: changes[f] if f in changes else getattr(layer, f) for f in fields})
+
+
+def _model_with(m, layers):
+    return ops.DecodeModel(layers=layers, k_pools=m.k_pools, v_pools=m.v_pools, cos_half=m.cos_half, sin_half=m.sin_half,
+                           num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, eps=m.eps,
+                           scale=m.scale, cos_local=m.cos_local, sin_local=m.sin_local)  # fmt: skip
+
+
+def test_decode_layers_refuses_a_layer_past_the_groups_given():
+    m = _tiny_model(gemma=True)
+    positions, slots, tables, lens = _step_inputs(groups=2)
+    with pytest.raises(RuntimeError, match="a layer of KV group 1 in a step of 1 groups"):
+        ops.decode_layers(m, torch.zeros(3, 64, dtype=torch.bfloat16), positions, slots[:1], tables[:1], lens)
 
 
 def test_decode_layers_refuses_a_pool_count_off_the_layer_count():

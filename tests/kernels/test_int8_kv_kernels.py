@@ -160,7 +160,7 @@ def test_decode_layers_over_int8_pools_is_the_bindings_layer_by_layer_bitwise():
         y = ops.rms_norm(ops.linear(attn.view(3, -1), layer.o), layer.post_attention_norm, m.eps, residual)
         x = ops.linear(ops.linear_silu_mul(y, layer.gate_up), layer.down)
     expected = residual.add_(x)
-    assert torch.equal(ops.decode_layers(fused, h.clone(), positions, slots, tables, lens), expected)
+    assert torch.equal(ops.decode_layers(fused, h.clone(), positions, [slots], [tables], lens), expected)
     for a, b in zip(fused.k_pools + fused.v_pools + fused.k_scales + fused.v_scales,
                     stepwise.k_pools + stepwise.v_pools + stepwise.k_scales + stepwise.v_scales):  # fmt: skip
         assert torch.equal(a, b)
@@ -174,8 +174,8 @@ def test_decode_layers_refuses_int8_scales_off_the_layer_count():
                             v_scales=m.v_scales)  # fmt: skip
     lens = torch.tensor([5], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="scale pool per layer"):
-        ops.decode_layers(short, torch.zeros(1, 64, dtype=torch.bfloat16), (lens - 1).long(), (lens - 1).long(),
-                          torch.zeros(1, 1, dtype=torch.int32), lens)  # fmt: skip
+        ops.decode_layers(short, torch.zeros(1, 64, dtype=torch.bfloat16), (lens - 1).long(), [(lens - 1).long()],
+                          [torch.zeros(1, 1, dtype=torch.int32)], lens)  # fmt: skip
 
 
 def _arch(**changes) -> ModelArchitecture:

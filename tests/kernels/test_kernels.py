@@ -216,6 +216,23 @@ def test_silu_and_mul_matches_torch_including_extremes(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_matches_torch_including_extremes(dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(37, 2 * 96) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([-1e4, -100.0, -10.0, -1e-3, 1e-3, 10.0, 100.0, 1e4])  # σ's exp over- and underflow
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gelu = F.gelu(gate, approximate="tanh").to(dtype).float()  # rounded to the dtype before the product, as the model does
+    got = ops.gelu_tanh_and_mul(gate_up)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), gelu * up, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1.6e-2)
+    # and as Gemma's MLP reads it in fp32: within a few ulp of torch's tanh form everywhere
+    x = torch.linspace(-12, 12, 4800)
+    ones = torch.ones_like(x)
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(torch.cat([x, ones])[None]).squeeze(0), F.gelu(x, approximate="tanh"),
+                               atol=1e-6, rtol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_rows_matches_torch_with_ties(dtype):
     torch.manual_seed(0)
     x = torch.randn(7, 1000).to(dtype)

@@ -64,6 +64,13 @@ void rope_and_cache_int8(const RopeArgs<uint16_t>& a, int8_t* k_pool, int8_t* v_
 void silu_and_mul(const float* gate_up, float* out, int64_t T, int64_t F);
 void silu_and_mul(const uint16_t* gate_up, uint16_t* out, int64_t T, int64_t F);
 
+// out[t, i] = gelu_tanh(g) · u (Gemma's GeGLU), the same shapes and roundings as silu_and_mul:
+// gelu_tanh(g) = g/2 · (1 + tanh(√(2/π)·(g + 0.044715·g³))), computed as g·σ(2·√(2/π)·(g +
+// 0.044715·g³)) (the same function: (1 + tanh y)/2 = σ(2y)) in fp32, rounded to the dtype before
+// the product as the reference rounds F.gelu(approximate="tanh")'s result.
+void gelu_tanh_and_mul(const float* gate_up, float* out, int64_t T, int64_t F);
+void gelu_tanh_and_mul(const uint16_t* gate_up, uint16_t* out, int64_t T, int64_t F);
+
 }  // namespace nra
 }  // namespace KVSERVE_LEVEL_NS
 }  // namespace kvserve

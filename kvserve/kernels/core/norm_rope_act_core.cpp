@@ -1,9 +1,9 @@
 // The norm_rope_act family's torch-free core (norm_rope_act.h): rms_norm, rope_and_cache
-// (and its int8 KV form), silu_and_mul, 8 fp32 lanes at a time.
+// (and its int8 KV form), silu_and_mul and gelu_tanh_and_mul, 8 fp32 lanes at a time.
 //
 // Layout and order: every function walks one token row at a time; the rows are independent
 // and split across threads (OpenMP, static) only when the call is large enough to pay for it,
-// silu_and_mul also splitting a row into column chunks (each output element is its own).
+// the activations also splitting a row into column chunks (each output element is its own).
 // Nothing sums across rows, and a row's only reduction (rms_norm's Σ x²) runs in 4 vector
 // accumulators over the row's elements in order (element d in accumulator (d / 8) % 4, lane
 // d % 8; the last < 32 elements through a zero-padded copy), then ((a0 + a1) + (a2 + a3)) and
@@ -233,15 +233,30 @@ void rope_and_cache_int8_impl(const RopeArgs<T>& a, int8_t* k_pool, int8_t* v_po
   }
 }
 
-// ---- silu_and_mul -------------------------------------------------------------------------
+// ---- silu_and_mul, gelu_tanh_and_mul ----------------------------------------------------------
 
-// silu(gate)·up, silu rounded to the dtype before the product (simd::silu8; the AMX linear's
+// act(gate)·up, act rounded to the dtype before the product (simd::silu8; the AMX linear's
 // gate/up epilogue computes the same)
 template <typename T>
 inline __m256 silu_mul8(__m256 gate, __m256 up) { return _mm256_mul_ps(to_dtype<T>(simd::silu8(gate)), up); }
 
+// gelu_tanh(x) = x·σ(2y), y = √(2/π)·(x + 0.044715·x³): the tanh form's value with one
+// exponential (silu8's reciprocal and cap: a large -2y gives x·~0, never 0·inf)
+inline __m256 gelu_tanh8(__m256 x) {
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+  const __m256 neg = _mm256_min_ps(_mm256_mul_ps(_mm256_set1_ps(-2.f), y), _mm256_set1_ps(80.f));
+  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), simd::exp8(neg));
+  __m256 r = _mm256_rcp_ps(d);
+  r = _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+  return _mm256_mul_ps(x, r);
+}
+
 template <typename T>
-void silu_and_mul_impl(const T* gate_up, T* out, int64_t T_, int64_t F) {
+inline __m256 gelu_mul8(__m256 gate, __m256 up) { return _mm256_mul_ps(to_dtype<T>(gelu_tanh8(gate)), up); }
+
+template <typename T, __m256 (*Act)(__m256, __m256)>
+void act_and_mul_impl(const T* gate_up, T* out, int64_t T_, int64_t F) {
   // tasks: (row, chunk of kChunk columns); each output element is computed on its own
   constexpr int64_t kChunk = 1024;
   const int64_t chunks = (F + kChunk - 1) / kChunk, tasks = T_ * chunks;
@@ -251,8 +266,8 @@ void silu_and_mul_impl(const T* gate_up, T* out, int64_t T_, int64_t F) {
     const T* g = gate_up + t * 2 * F;
     T* o = out + t * F;
     int64_t i = b;
-    for (; i + 8 <= e; i += 8) store8(o + i, silu_mul8<T>(load8(g + i), load8(g + F + i)));
-    if (i < e) store_tail(o + i, silu_mul8<T>(load_tail(g + i, e - i), load_tail(g + F + i, e - i)), e - i);
+    for (; i + 8 <= e; i += 8) store8(o + i, Act(load8(g + i), load8(g + F + i)));
+    if (i < e) store_tail(o + i, Act(load_tail(g + i, e - i), load_tail(g + F + i, e - i)), e - i);
   }
 }
 
@@ -279,9 +294,17 @@ void rope_and_cache_int8(const RopeArgs<uint16_t>& a, int8_t* k_pool, int8_t* v_
   rope_and_cache_int8_impl(a, k_pool, v_pool, k_scale, v_scale);
 }
 
-void silu_and_mul(const float* gate_up, float* out, int64_t T, int64_t F) { silu_and_mul_impl(gate_up, out, T, F); }
+void silu_and_mul(const float* gate_up, float* out, int64_t T, int64_t F) {
+  act_and_mul_impl<float, silu_mul8<float>>(gate_up, out, T, F);
+}
 void silu_and_mul(const uint16_t* gate_up, uint16_t* out, int64_t T, int64_t F) {
-  silu_and_mul_impl(gate_up, out, T, F);
+  act_and_mul_impl<uint16_t, silu_mul8<uint16_t>>(gate_up, out, T, F);
+}
+void gelu_tanh_and_mul(const float* gate_up, float* out, int64_t T, int64_t F) {
+  act_and_mul_impl<float, gelu_mul8<float>>(gate_up, out, T, F);
+}
+void gelu_tanh_and_mul(const uint16_t* gate_up, uint16_t* out, int64_t T, int64_t F) {
+  act_and_mul_impl<uint16_t, gelu_mul8<uint16_t>>(gate_up, out, T, F);
 }
 
 }  // namespace nra

@@ -1,5 +1,5 @@
 // The norm_rope_act family's torch layer (rms_norm, rope_and_cache, rope_and_cache_int8,
-// silu_and_mul): the argument checks, then the torch-free core (core/norm_rope_act.h), on fp32
+// silu_and_mul, gelu_tanh_and_mul): the argument checks, then the torch-free core (core/norm_rope_act.h), on fp32
 // or bf16 tensors.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -109,15 +109,32 @@ at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor 
   return q;
 }
 
-// gate_up: [T, 2F] → silu(gate) · up: [T, F]
-at::Tensor silu_and_mul(at::Tensor gate_up) {
+namespace {
+
+// gate_up: [T, 2F] → act(gate) · up: [T, F]
+template <typename Core>
+at::Tensor act_and_mul(at::Tensor gate_up, const char* name, Core core) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % (2 * kSiluWidthMultiple) == 0,
-              "silu_and_mul: [T, 2F] contiguous, F % ", kSiluWidthMultiple, " == 0, got ", gate_up.sizes());
+              name, ": [T, 2F] contiguous, F % ", kSiluWidthMultiple, " == 0, got ", gate_up.sizes());
   const int64_t T_ = gate_up.size(0), F_ = gate_up.size(1) / 2;
   auto out = at::empty({T_, F_}, gate_up.options());
-  dispatch_f32_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
+  dispatch_f32_bf16(gate_up.scalar_type(), name, [&](auto tag) {
     using E = decltype(tag);
-    norm_rope_act_core::silu_and_mul(data<E>(gate_up), data<E>(out), T_, F_);
+    core(data<E>(gate_up), data<E>(out), T_, F_);
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  return act_and_mul(gate_up, "silu_and_mul", [](auto* g, auto* o, int64_t T_, int64_t F_) {
+    norm_rope_act_core::silu_and_mul(g, o, T_, F_);
+  });
+}
+
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up) {
+  return act_and_mul(gate_up, "gelu_tanh_and_mul", [](auto* g, auto* o, int64_t T_, int64_t F_) {
+    norm_rope_act_core::gelu_tanh_and_mul(g, o, T_, F_);
+  });
 }
