@@ -10,7 +10,9 @@
 // shared_prefix_decode_attention, so reading a prefix once per group does not cost the step its
 // single call. Gemma's layer is the same layer with options (DecodeLayer): a norm on each
 // branch's output before the residual add, GeGLU for SwiGLU, the local layers' own RoPE tables
-// and KV group (each group's layers index its own slots and blocks).
+// and KV group (each group's layers index its own slots and blocks). A layer whose sliding
+// window some row of the step sees past (`window_starts`) reads each row's last W positions
+// through the decode kernel's ranged form, as attention/sliding_window.py does layer by layer.
 #include <ATen/core/Tensor.h>
 
 #include "kernels.h"
@@ -37,7 +39,8 @@ void norm_heads_(at::Tensor& qkv, const DecodeLayer& layer, int64_t num_heads, i
 
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions,
                          const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
-                         at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix) {
+                         at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix,
+                         const std::vector<c10::optional<at::Tensor>>& window_starts) {
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
               "decode_layers: one K and one V pool per layer, got ", model.layers.size(), " layers, ",
               model.k_pools.size(), " K and ", model.v_pools.size(), " V pools");
@@ -51,6 +54,9 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
               block_tables.size());
   TORCH_CHECK(!shared_prefix || slot_mappings.size() == 1, "decode_layers: a shared-prefix plan indexes one KV group's "
               "blocks, got ", slot_mappings.size(), " groups");
+  TORCH_CHECK(window_starts.empty() || window_starts.size() == model.layers.size(),
+              "decode_layers: window_starts holds one entry per layer or none, got ", window_starts.size(), " for ",
+              model.layers.size(), " layers");
   for (const DecodeLayer& layer : model.layers) {
     TORCH_CHECK(layer.kv_group >= 0 && layer.kv_group < static_cast<int64_t>(slot_mappings.size()),
                 "decode_layers: a layer of KV group ", layer.kv_group, " in a step of ", slot_mappings.size(), " groups");
@@ -82,7 +88,14 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
       q = rope_and_cache(qkv, positions, cos, sin, model.k_pools[l], model.v_pools[l], slot_mapping, num_heads,
                          num_kv_heads, head_dim);
     }
-    if (shared_prefix)
+    // the order of attention/paged.py: a window seen past first (it hides the positions a
+    // shared-prefix plan would read), then the plan, then the plain kernel
+    const bool windowed = !window_starts.empty() && window_starts[l].has_value();
+    if (windowed)
+      attn = std::get<0>(paged_decode_attention_lse(q, model.k_pools[l], model.v_pools[l], tables, context_lens,
+                                                    *window_starts[l], model.scale, k_scale, v_scale))
+                 .to(q.scalar_type());
+    else if (shared_prefix)
       attn = shared_prefix_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, *shared_prefix,
                                             model.scale, k_scale, v_scale);
     else

@@ -41,7 +41,7 @@ SHAPES = {
 }
 PARTIAL = {"phi4-partial"}
 NOT_FUSED = PARTIAL | {"gemma2-softcap"}  # the fused step needs full rotary and the attention kernel (no soft-cap)
-WINDOWED = {"mistral-window", "gemma3-hd256"}  # their steps all see past the window, so none takes the fused step
+WINDOWED = {"mistral-window", "gemma3-hd256"}  # their decode steps all see past the window (the fused step's ranged reads)
 PROMPT = "What is the capital of France? The capital"
 STEPS = 4
 
@@ -96,17 +96,25 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
     assert kernel_error <= 1.25 * torch_error + 1e-2, (kernel_error, torch_error)
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s not in NOT_FUSED | WINDOWED])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s not in NOT_FUSED])
 def test_fused_decode_equals_layer_by_layer(kernel_level, shape_dirs, shape, monkeypatch):
     engine = _engine(shape_dirs[shape])
     prompt = engine.tokenizer.encode(PROMPT)
     assert engine.model.fused_decode_rows() > 0
     module = engine.model.kernels.ops
     calls, step = [], module.decode_layers
-    monkeypatch.setattr(module, "decode_layers", lambda *a: calls.append(len(a[3])) or step(*a))
+
+    def counted(*a):  # (model, h, positions, slot_mappings, block_tables, context_lens, plan, window_starts)
+        calls.append((len(a[3]), sum(s is not None for s in a[7])))
+        return step(*a)
+
+    monkeypatch.setattr(module, "decode_layers", counted)
     fused, _ = _trajectory(engine, prompt, STEPS)
     groups = 2 if shape == "gemma3-groups" else 1  # its local and its global layer index blocks of their own
-    assert calls == [groups] * STEPS  # every decode step took the fused call, with each KV group's slots
+    windowed = engine.arch.num_layers if shape in WINDOWED else 0  # every layer of these two is local
+    assert all(engine.arch.layer_window(i) for i in range(engine.arch.num_layers)) == (shape in WINDOWED)
+    # every decode step took the fused call, with each KV group's slots, and its windowed layers' starts
+    assert calls == [(groups, windowed)] * STEPS
     engine.model.fused_decode = False
     layered, _ = _trajectory(engine, prompt, STEPS)
     assert len(calls) == STEPS

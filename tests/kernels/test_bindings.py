@@ -255,10 +255,11 @@ def _step_inputs(batch=3, block=16, groups=1):
     return positions, slots, tables, lens
 
 
-def _layer_by_layer(model, h, positions, slots, tables, lens):
-    """What decode_layers does, one binding at a time (kernels.h)."""
+def _layer_by_layer(model, h, positions, slots, tables, lens, starts=()):
+    """What decode_layers does, one binding at a time (kernels.h); `starts`: per layer a window's
+    start positions or None, as attention/sliding_window.py reads a window seen past."""
     residual = None
-    for layer, k, v in zip(model.layers, model.k_pools, model.v_pools):
+    for i, (layer, k, v) in enumerate(zip(model.layers, model.k_pools, model.v_pools)):
         x = ops.rms_norm(h, layer.input_norm, model.eps, residual)
         residual = h if residual is None else residual
         qkv = ops.linear(x, layer.qkv)
@@ -271,7 +272,10 @@ def _layer_by_layer(model, h, positions, slots, tables, lens):
         g = layer.kv_group
         q = ops.rope_and_cache(qkv, positions, cos, sin, k, v, slots[g], model.num_heads, model.num_kv_heads,
                                model.head_dim)  # fmt: skip
-        attn = ops.paged_decode_attention(q, k, v, tables[g], lens, model.scale)
+        if starts and starts[i] is not None:
+            attn = ops.paged_decode_attention_lse(q, k, v, tables[g], lens, starts[i], model.scale)[0].to(q.dtype)
+        else:
+            attn = ops.paged_decode_attention(q, k, v, tables[g], lens, model.scale)
         o = ops.linear(attn.view(h.shape[0], -1), layer.o)
         if layer.attn_out_norm is not None:
             o = ops.rms_norm(o, layer.attn_out_norm, model.eps, None)
@@ -298,6 +302,23 @@ def test_decode_layers_is_the_bindings_layer_by_layer_bitwise(gemma):
             layers = [_layer_with(layer, **undone) for layer in other.layers]
             other = _model_with(other, layers)
             assert not torch.equal(ops.decode_layers(other, h.clone(), *inputs), expected), undone
+
+
+def test_decode_layers_reads_a_window_seen_past_from_its_start_positions():
+    """Gemma 3's local layers (the odd ones) with a window of 8 that two of the three rows (17 and
+    30 positions) see past: those layers over [len - 8, len), the global ones over everything."""
+    fused, stepwise = _tiny_model(gemma=True), _tiny_model(gemma=True)
+    h = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    inputs = _step_inputs(groups=2)
+    window_starts = (inputs[-1] - 8).clamp(min=0).to(torch.int32)
+    starts = [window_starts if layer.local else None for layer in fused.layers]
+    expected = _layer_by_layer(stepwise, h.clone(), *inputs, starts)
+    got = ops.decode_layers(fused, h.clone(), *inputs, None, starts)
+    assert torch.equal(got, expected)
+    unwindowed = ops.decode_layers(_tiny_model(gemma=True), h.clone(), *inputs)
+    assert not torch.equal(got, unwindowed)  # the window bites
+    with pytest.raises(RuntimeError, match="one entry per layer or none, got 1 for 2 layers"):
+        ops.decode_layers(_tiny_model(gemma=True), h.clone(), *inputs, None, starts[:1])
 
 
 def _layer_with(layer, **changes):
