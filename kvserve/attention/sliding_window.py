@@ -12,7 +12,8 @@ every row of the step, decode or prompt, over its own range [max(0, p + 1 - W), 
 - on the CPU kernels, as one call of the decode kernel's ranged form
   (ops.paged_decode_attention_lse: the pool read in place through each row's block table; a
   row's bits depend on its own range only, so they are the same whichever step, chunk or
-  batch it is in, which --deterministic relies on);
+  batch it is in, which --deterministic relies on); a decode-only step makes the same call
+  inside the fused decode step, from these start positions (kernels/fused_decode.cpp);
 - on the reference path, decode rows gathered over their range (at most W positions each) and
   attended batched, prompt chunks in tiles of queries, each tile over the keys its rows see.
 
