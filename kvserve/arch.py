@@ -146,6 +146,20 @@ class ModelArchitecture:
     # Gemma 2: attention scores and the final logits soft-capped, x -> cap · tanh(x / cap)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # OLMoE (and OLMo 2): q and k each RMSNormed over the whole projection (all heads' features
+    # at once, weights N_q·H and N_kv·H) rather than per head
+    qk_norm_whole: bool = False
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a sparse layer's FFN is
+    # num_experts SiLU experts of moe_intermediate_size, num_experts_per_tok chosen per token by a
+    # router (softmax over all experts in fp32, the top k, renormalised to sum 1 where
+    # norm_topk_prob); Qwen2-MoE adds a shared expert of shared_expert_intermediate_size, gated
+    # by sigmoid(x·g). `dense_layers`: layers whose FFN is a dense one of intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -187,6 +201,18 @@ class ModelArchitecture:
             return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
         return self.sliding_window
 
+    def layer_is_sparse(self, index: int) -> bool:
+        """Layer `index`'s FFN is routed experts (a mixture-of-experts model's sparse layer)."""
+        return self.num_experts > 0 and index not in self.dense_layers
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.layer_is_sparse(i) for i in range(self.num_layers))
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert: gate, up and down of moe_intermediate_size."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Every layer's window (`layer_window`), in layer order."""
@@ -201,6 +227,8 @@ class ModelArchitecture:
         parts = [what for what, differs in (
             (f"a {self.hidden_act} MLP", self.hidden_act not in ("silu", "gelu_tanh")),
             ("soft-capped attention scores", self.attn_logit_softcapping is not None),
+            ("routed experts (mixture of experts)", self.num_experts > 0),
+            ("q/k norms over the whole projection", self.qk_norm_whole),
         ) if differs]  # fmt: skip
         return ", ".join(parts) or None
 
@@ -225,18 +253,36 @@ class ModelArchitecture:
 
     @property
     def decoder_layer_params(self) -> int:
-        """Parameters of all decoder layers (what multiplies every token's activations)."""
-        return self.num_layers * llama_layer_params(
+        """Parameters of all decoder layers (what multiplies every token's activations); a
+        sparse layer counts all its experts (`moe_params` splits them off)."""
+        dense = self.num_layers * llama_layer_params(
             self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
             attention_bias=self.attention_bias, qk_norm=self.qk_norm, sandwich_norms=self.sandwich_norms,
         )
+        return dense + self.num_sparse_layers * (self._sparse_ffn_params() - 3 * self.hidden_size * self.intermediate_size)
+
+    def _sparse_ffn_params(self) -> int:
+        """One sparse layer's FFN: the router (E·d), E experts, and the shared expert with its gate."""
+        d = self.hidden_size
+        shared = 3 * d * self.shared_expert_intermediate_size + d if self.shared_expert_intermediate_size else 0
+        return self.num_experts * d + self.num_experts * self.expert_params() + shared
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Parameters in routed experts, every sparse layer: what a decode step reads only in part."""
+        return self.num_sparse_layers * self.num_experts * self.expert_params()
 
     @property
     def num_params(self) -> int:
-        """P counted from the shape (`llama_num_params`), QKV bias included where there is one."""
-        return llama_num_params(
+        """P counted from the shape (`llama_num_params`), QKV bias included where there is one;
+        a mixture of experts with every expert (the weights held)."""
+        dense = llama_num_params(
             self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
             self.head_dim, self.vocab_size, tied_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias, qk_norm=self.qk_norm, sandwich_norms=self.sandwich_norms,
+        )
+        return dense + self.decoder_layer_params - self.num_layers * llama_layer_params(
+            self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
             attention_bias=self.attention_bias, qk_norm=self.qk_norm, sandwich_norms=self.sandwich_norms,
         )
 
@@ -253,6 +299,7 @@ class ModelArchitecture:
         data["rope_scaling"] = RopeScaling(**scaling)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
         data["layer_types"] = tuple(data.get("layer_types") or ())
+        data["dense_layers"] = tuple(data.get("dense_layers") or ())
         return cls(**data).check_supported()
 
     @classmethod

@@ -45,6 +45,15 @@ def _gemma2(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_
     )  # fmt: skip
 
 
+def _moe(model_type: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, experts: int, k: int, width: int,
+         norm_topk: bool, rope_theta: float, context: int, **extra) -> ModelArchitecture:  # fmt: skip
+    """A mixture of experts: every layer sparse, `experts` of `width`, the top `k` per token."""
+    return ModelArchitecture(
+        model_type, vocab, hidden, width, layers, heads, kv_heads, 128, 1e-6, rope_theta, context, False,
+        num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=width, norm_topk_prob=norm_topk, **extra,
+    )  # fmt: skip
+
+
 _LLAMA_3_8B = _llama(32, 4096, 14336, 32, 8, 128, 128256, False, 500000.0, 131072, _llama3_rope(8.0))
 
 PRESETS: dict[str, ModelArchitecture] = {
@@ -56,6 +65,11 @@ PRESETS: dict[str, ModelArchitecture] = {
     "qwen3-1.7b": _qwen3(28, 2048, 6144, 16, 8, 151936, True, 40960),
     "gemma-3-1b": _gemma3(26, 1152, 6912, 4, 1, 256, 262144, 32768, 512),
     "gemma-2-2b": _gemma2(26, 2304, 9216, 8, 4, 256, 8192, 4096),
+    "qwen3-30b-a3b": _moe("qwen3_moe", 48, 2048, 32, 4, 151936, 128, 8, 768, True, 1_000_000.0, 40960, qk_norm=True),
+    "olmoe-1b-7b": _moe("olmoe", 16, 2048, 16, 16, 50304, 64, 8, 1024, False, 10000.0, 4096, qk_norm=True, qk_norm_whole=True),
+    "mixtral-8x7b": _moe("mixtral", 32, 4096, 32, 8, 32000, 8, 2, 14336, True, 1_000_000.0, 32768),
+    # OLMoE's layer at the tiny shape's size: 8 experts of 256, the top 2 (the MoE test shape of tools/make_model.py)
+    "tiny-moe": _moe("olmoe", 2, 256, 2, 2, 49152, 8, 2, 256, False, 10000.0, 8192, qk_norm=True, qk_norm_whole=True),
     # every tensor kind (an untied LM head too), every row a whole number of 256-weight super-blocks
     "tiny": _llama(2, 256, 512, 4, 2, 64, 49152, False, 10000.0, 8192),
 }
@@ -69,5 +83,9 @@ NOTES: dict[str, str] = {
     "qwen3-1.7b": "Qwen3-1.7B (tied embeddings; head_dim 128, per-head q/k RMSNorm)",
     "gemma-3-1b": "Gemma-3-1B text (tied embeddings; head_dim 256; 5 of every 6 layers local, window 512)",
     "gemma-2-2b": "Gemma-2-2B (tied embeddings; head_dim 256; every other layer local, window 4096; soft-capped scores and logits)",
+    "qwen3-30b-a3b": "Qwen3-30B-A3B (48 layers, 128 experts of width 768, the top 8 renormalised; ~3.3B active)",
+    "olmoe-1b-7b": "OLMoE-1B-7B (16 layers, 64 experts of width 1024, the top 8; ~1.3B active)",
+    "mixtral-8x7b": "Mixtral-8x7B (32 layers, 8 experts of width 14336, the top 2; ~12.9B active)",
+    "tiny-moe": "two OLMoE layers of hidden 256, 8 experts of width 256, the top 2: the MoE test shape of tools/make_model.py",
     "tiny": "two layers of hidden 256, the test shape of tools/make_model.py",
 }

@@ -73,6 +73,11 @@ FORMATS = ("hf-bf16", *GGUF_FORMATS)
 # ---- which type each tensor gets -----------------------------------------------------------
 
 
+def _gguf_arch(shape: ModelArchitecture) -> str:
+    """The architecture's name in llama.cpp (its metadata prefix): Mixtral is written as `llama`."""
+    return "llama" if shape.architecture == "mixtral" else HF_TO_GGUF_ARCH[shape.architecture]
+
+
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
     """llama.cpp's choice of layers that get more bits in the *_M recipes."""
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
@@ -87,7 +92,7 @@ def _fallback(qtype, row_length: int):
 
 def tensor_type(fmt: str, name: str, shape: ModelArchitecture, row_length: int):
     """The GGML type of tensor `name` (GGUF naming) in format `fmt`."""
-    if name.endswith("norm.weight") or name == "rope_freqs.weight":
+    if name.endswith(("norm.weight", "ffn_gate_inp.weight")) or name == "rope_freqs.weight":  # norms, the MoE router
         return T.F32
     base = {"f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
             "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q4_k_m": T.Q4_K}[fmt]
@@ -116,8 +121,15 @@ def _tensors(s: ModelArchitecture) -> list[tuple[str, str | None, tuple[int, ...
              ("attn_k", "self_attn.k_proj", (kv, D)), ("attn_v", "self_attn.v_proj", (kv, D)),
              ("attn_output", "self_attn.o_proj", (D, q)), ("ffn_norm", "post_attention_layernorm", (D,)),
              ("ffn_gate", "mlp.gate_proj", (F, D)), ("ffn_up", "mlp.up_proj", (F, D)), ("ffn_down", "mlp.down_proj", (D, F))]  # fmt: skip
-    if s.qk_norm:  # Qwen3, Gemma 3: one RMSNorm weight of head_dim for the q heads, one for the k heads
+    if s.qk_norm_whole:  # OLMoE: one RMSNorm over the whole Q projection, one over K
+        layer[4:4] = [("attn_q_norm", "self_attn.q_norm", (q,)), ("attn_k_norm", "self_attn.k_norm", (kv,))]
+    elif s.qk_norm:  # Qwen3, Gemma 3: one RMSNorm weight of head_dim for the q heads, one for the k heads
         layer[4:4] = [("attn_q_norm", "self_attn.q_norm", (s.head_dim,)), ("attn_k_norm", "self_attn.k_norm", (s.head_dim,))]
+    if s.num_experts:  # every layer sparse: the router and each projection's experts stacked [E, rows, row length]
+        E, Fe = s.num_experts, s.moe_intermediate_size
+        at = [g for g, _, _ in layer].index("ffn_gate")
+        layer[at:] = [("ffn_gate_inp", "mlp.gate", (E, D)), ("ffn_gate_exps", None, (E, Fe, D)),
+                      ("ffn_up_exps", None, (E, Fe, D)), ("ffn_down_exps", None, (E, D, Fe))]  # fmt: skip
     if s.sandwich_norms:  # Gemma 2 and 3: a norm after each branch; ffn_norm is its pre-feedforward one
         at = [g for g, _, _ in layer].index("ffn_norm")
         layer[at] = ("ffn_norm", "pre_feedforward_layernorm", (D,))
@@ -187,6 +199,9 @@ def tensor_data(name: str, shape: tuple[int, ...], qtype, model_shape: ModelArch
         return llama3_rope_factors(model_shape)
     if len(shape) == 1:
         return np.ones(shape, dtype=np.float32)
+    if len(shape) == 3:  # a stack of experts: its rows one after another
+        flat = tensor_data(name, (shape[0] * shape[1], shape[2]), qtype, model_shape, seed)
+        return flat.reshape(shape[0], shape[1], -1)
     rows, row_length = shape
     rng = _rng(seed, name)
     if qtype in (T.F16, T.BF16, T.F32):
@@ -261,7 +276,7 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
 
-    a = HF_TO_GGUF_ARCH[shape.architecture]  # the key prefix, as llama.cpp names the architecture
+    a = _gguf_arch(shape)  # the key prefix, as llama.cpp names the architecture
     w = gguf.GGUFWriter(str(tmp), a)
     w.add_type("model")
     w.add_name(f"random {shape_name} {fmt}")
@@ -281,6 +296,10 @@ def write_gguf(out: Path, shape_name: str, fmt: str, seed: int = 0, quiet: bool 
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2
         if getattr(shape, key):
             w.add_float32(f"{a}.{key}", getattr(shape, key))
+    if shape.num_experts:  # a mixture of experts, as llama.cpp's converter writes it
+        w.add_uint32(f"{a}.expert_count", shape.num_experts)
+        w.add_uint32(f"{a}.expert_used_count", shape.num_experts_per_tok)
+        w.add_uint32(f"{a}.expert_feed_forward_length", shape.moe_intermediate_size)
     w.add_uint32("general.file_type", _FILE_TYPES[fmt])
     if fmt not in ("f16", "bf16"):
         w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
@@ -459,7 +478,7 @@ def verify_gguf(path: Path | str, shape_name: str, fmt: str, sample: int = 4) ->
     shape = SHAPES[shape_name]
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    vocab = int(reader.fields[f"{HF_TO_GGUF_ARCH[shape.architecture]}.vocab_size"].contents())
+    vocab = int(reader.fields[f"{_gguf_arch(shape)}.vocab_size"].contents())
     planned = gguf_tensors(dataclasses.replace(shape, vocab_size=vocab))
     assert [t.name for t in reader.tensors] == [n for n, _ in planned], "tensor names or order differ from the plan"
     by_type: dict[str, list[str]] = {}

@@ -70,6 +70,7 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
         for _ in range(settings.decode_warmup_steps):
             engine.step()
         generated_before = engine.counters.generation_tokens
+        experts_before = dataclasses.replace(engine.model.expert_counts)
         step_times_s = []
         tp = engine.tp
         comm_before = dict(tp.comm_seconds) if tp is not None else {}
@@ -90,6 +91,8 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
         "tok_per_s": decoded / elapsed_s,
         "step_ms": summarize(step_times_s, 1e3),
     }
+    if engine.arch.num_experts:  # what the routed experts read per step, beside all of them (model/moe.py)
+        out["experts"] = expert_reads(engine.model.expert_counts, experts_before, settings.decode_steps)
     if tp is not None:  # rank 0's time inside collectives (waits for the other ranks included), per decode step
         out["tensor_parallel_size"] = tp.world
         out["kv_layout"] = "requests" if engine.requests_layout else "heads"
@@ -99,6 +102,17 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
             if tp.comm_calls[k] > calls_before[k]
         }
     return out
+
+
+def expert_reads(after, before, steps: int) -> dict[str, float]:
+    """Per step between two ExpertCounts: experts run per sparse layer, their bytes, and the bytes
+    of every expert (the dense equivalent)."""
+    passes = max(after.layer_passes - before.layer_passes, 1)
+    return {
+        "experts_per_layer": (after.experts_touched - before.experts_touched) / passes,
+        "expert_bytes_per_step": (after.expert_weight_bytes - before.expert_weight_bytes) / steps,
+        "all_experts_bytes_per_step": (after.all_experts_bytes - before.all_experts_bytes) / steps,
+    }
 
 
 def measure_prefill(engine: LLMEngine, prompt_len: int, iters: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -149,6 +163,11 @@ def run_latency(
 
     limits_before = measure_limits(int(bytes_per_step))
     decode = measure_decode(engine, settings, rng)
+    if "experts" in decode:  # a mixture of experts: the routed experts this step read, not all of them
+        experts = decode["experts"]
+        bytes_per_step += experts["expert_bytes_per_step"] - (
+            engine.model.decode_weight_bytes() - engine.model.decode_weight_bytes(routed_experts=False))
+        experts["dense_equivalent_bytes_per_step"] = bytes_per_step - experts["expert_bytes_per_step"] + experts["all_experts_bytes_per_step"]
     decode["bytes_per_step"] = bytes_per_step
 
     prefill = [measure_prefill(engine, n, settings.prefill_iters, rng) for n in settings.prompt_lens]

@@ -39,6 +39,13 @@ def print_latency(results: dict[str, Any], console: Console | None = None) -> No
                       _pct(p["fraction_of_roofline"]), f"{_f(p['time_ms']['median'])} ms",
                       f"{p['flops']['total'] / 1e9:.1f} GFLOP")
     console.print(table)
+    if "experts" in d:
+        e = d["experts"]
+        console.print(f"mixture of experts: {e['experts_per_layer']:.1f} experts run per sparse layer per decode step, "
+                      f"{e['expert_bytes_per_step'] / 1e6:.0f} MB of expert weights read per step "
+                      f"(every expert: {e['all_experts_bytes_per_step'] / 1e6:.0f} MB; the step reads "
+                      f"{d['bytes_per_step'] / 1e6:.0f} MB where a dense model of the same weights reads "
+                      f"{e['dense_equivalent_bytes_per_step'] / 1e6:.0f} MB)")
     if "comm_ms_per_step" in d:
         comm = d["comm_ms_per_step"]
         console.print(f"tensor parallel, {d['tensor_parallel_size']} ranks, KV layout {d.get('kv_layout', 'heads')}: of {_f(d['step_ms']['median'], 2)} ms per decode "
@@ -74,6 +81,11 @@ def print_throughput(results: dict[str, Any], console: Console | None = None) ->
                       f"(scanning each history alone: {ours['kv_bytes_read_per_step_without_sharing'] / 2**20:.2f} MiB, "
                       f"x{ours['kv_read_ratio']:.2f}); shared-prefix attention {ours['shared_prefix_attention']}, "
                       f"read once in {ours['shared_prefix_steps']} of {ours['steps']} steps")
+    if "experts" in ours:
+        e = ours["experts"]
+        console.print(f"kvserve: mixture of experts, {e['experts_per_layer']:.1f} experts run per sparse layer per step, "
+                      f"{e['expert_bytes_per_step'] / 1e6:.1f} MB of expert weights read per step "
+                      f"(every expert: {e['all_experts_bytes_per_step'] / 1e6:.1f} MB)")
     if "decode_attention_ms_per_step" in ours:
         console.print(f"kvserve: decode attention {ours['decode_attention_ms_per_step']:.2f} ms per step "
                       f"(torch.profiler, {ours['decode_attention_steps']} decode steps)")

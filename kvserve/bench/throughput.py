@@ -10,6 +10,7 @@ prompt tokens. Every engine gets one untimed warm-up on a few small requests fir
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from typing import Any
 
 from kvserve.bench.attention_time import decode_attention_profile
 from kvserve.bench.hf_peer import peak_rss_mib
+from kvserve.bench.latency import expert_reads
 from kvserve.bench.workload import Workload, build_workload
 from kvserve.loadgen.stats import summarize
 from kvserve.sampling_params import SamplingParams
@@ -64,6 +66,7 @@ def run_kvserve(
     preemptions_before = engine.scheduler.num_preemptions
     kv = engine.kv_cache
     queries_before, hits_before = kv.prefix_queries, kv.prefix_hits
+    experts_before = dataclasses.replace(engine.model.expert_counts)
     profiled: dict[str, Any] = {}
     profiling = profile_attention or alternate_shared_prefix
     with decode_attention_profile(engine, alternate_shared_prefix) if profiling else contextlib.nullcontext(profiled) as profiled:
@@ -97,6 +100,8 @@ def run_kvserve(
         "tpot_ms": summarize((t.tpot_s for t in timings), 1e3),
         **profiled,
     }
+    if engine.arch.num_experts:  # per step: experts run per sparse layer, their bytes and every expert's
+        result["experts"] = expert_reads(engine.model.expert_counts, experts_before, steps)
     if generated != workload.num_output_tokens:
         result["warning"] = f"generated {generated} tokens, the workload asked for {workload.num_output_tokens}"
     return result

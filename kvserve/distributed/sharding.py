@@ -5,6 +5,9 @@ SiLU columns and only two AllReduces per layer join them:
 - QKV column-parallel by head: rank r takes query heads [r·N_q/N, (r+1)·N_q/N) and the KV heads
   those need; gate/up column-parallel, F/N columns each;
 - O and down row-parallel (the matching input columns), their partial sums AllReduced;
+- a mixture of experts' every expert (routed and shared) split as a dense FFN, by its own
+  width; the router (and a shared expert's gate) whole on every rank, so all ranks route alike
+  and each runs its share of the same experts;
 - embedding and LM head vocab-parallel: ceil(V/N) rows each (the last rank fewer); the
   embedding's partial rows AllReduced, the LM head's logits gathered before sampling.
 
@@ -33,6 +36,8 @@ class TensorParallelShard:
     ffn: tuple[int, int]  # [first, end) of the intermediate (gate/up rows, down columns)
     vocab: tuple[int, int]  # [first, end) of the vocabulary (embedding and LM head rows)
     kv_replication: int  # ranks holding each KV head (1 where N divides N_kv)
+    expert_ffn: tuple[int, int] = (0, 0)  # [first, end) of each routed expert's width
+    shared_ffn: tuple[int, int] = (0, 0)  # and of the shared expert's
 
     @property
     def num_q_heads(self) -> int:
@@ -46,7 +51,9 @@ class TensorParallelShard:
         """The architecture this rank's layers have (its heads and FFN columns; the vocabulary
         stays whole: the LM head's gathered logits cover all of it)."""
         return dataclasses.replace(
-            arch, num_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads, intermediate_size=self.ffn[1] - self.ffn[0]
+            arch, num_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads, intermediate_size=self.ffn[1] - self.ffn[0],
+            moe_intermediate_size=self.expert_ffn[1] - self.expert_ffn[0],
+            shared_expert_intermediate_size=self.shared_ffn[1] - self.shared_ffn[0],
         )
 
 
@@ -65,8 +72,9 @@ def plan_shard(arch: ModelArchitecture, rank: int, world: int) -> TensorParallel
             f"{world} ranks over {nkv} KV heads: neither divides the other, so some rank's query heads would need "
             "parts of two KV heads",
         )
-    if ffn % world:
-        raise ConfigError("tensor_parallel_size", f"{world} ranks cannot split the FFN width {ffn} into equal columns")
+    for what, width in (("FFN", ffn), ("expert", arch.moe_intermediate_size), ("shared expert", arch.shared_expert_intermediate_size)):
+        if width % world:
+            raise ConfigError("tensor_parallel_size", f"{world} ranks cannot split the {what} width {width} into equal columns")
     per_rank_q = nq // world
     q0 = rank * per_rank_q
     g = nq // nkv
@@ -80,9 +88,11 @@ def plan_shard(arch: ModelArchitecture, rank: int, world: int) -> TensorParallel
     vocab_per_rank = -(-arch.vocab_size // world)
     v0 = min(rank * vocab_per_rank, arch.vocab_size)
     per_rank_ffn = ffn // world
+    per_expert, per_shared = arch.moe_intermediate_size // world, arch.shared_expert_intermediate_size // world
     return TensorParallelShard(
         rank=rank, world=world, q_heads=(q0, q0 + per_rank_q), kv_heads=kv,
         ffn=(rank * per_rank_ffn, (rank + 1) * per_rank_ffn),
+        expert_ffn=(rank * per_expert, (rank + 1) * per_expert), shared_ffn=(rank * per_shared, (rank + 1) * per_shared),
         vocab=(v0, min(v0 + vocab_per_rank, arch.vocab_size)), kv_replication=replication,
     )  # fmt: skip
 

@@ -105,7 +105,7 @@ def build_model_share(config: EngineConfig, tp, loaded: LoadedModel | None, tp_n
         local_arch, loaded.weights, max_positions=max_model_len + 1, kernels=kernels, tp=tp,
         vocab=shard.vocab, vocab_sizes=[s.vocab[1] - s.vocab[0] for s in shards],
         request_heads=RequestHeads.from_shards(shards, arch.num_heads, arch.num_kv_heads, arch.head_dim)
-        if requests_layout else None,
+        if requests_layout else None, kv_replication=shard.kv_replication,
     )  # fmt: skip
     loaded.weights.clear()
     release_free_memory()  # the load's freed transients, before the pools are allocated

@@ -22,11 +22,11 @@ Torch-free at import: the planner reads shapes through it.
 from __future__ import annotations
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.families import gemma, llama, phi3, qwen
+from kvserve.families import gemma, llama, olmoe, phi3, qwen
 from kvserve.families.base import Family, GGUFMeta, uniform_window  # noqa: F401 (the families' vocabulary)
 
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, gemma.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, gemma.FAMILY, olmoe.FAMILY)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 # GGUF general.architecture -> HF model_type, and the other way (the name llama.cpp gives each)
 GGUF_TO_HF_ARCH: dict[str, str] = {g: t for f in FAMILIES for g, t in f.gguf_archs.items()}

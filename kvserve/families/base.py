@@ -39,6 +39,9 @@ class Family:
     # (weights, arch, cut): the checkpoint rewritten into the decoder's names; `cut(tensor, lo,
     # hi, name)` is the loader's row slice of a loaded tensor, whatever its format
     prepare_weights: Callable[[dict, Any, Callable], None] | None = None
+    # an HF checkpoint's tensor name in the decoder's naming, applied as each tensor is read
+    # (before quantization at load, which goes by the name): Mixtral's experts' w1/w2/w3
+    hf_tensor_name: Callable[[str], str] | None = None
 
 
 def uniform_window(config: dict[str, Any], by_default: bool) -> int | None:

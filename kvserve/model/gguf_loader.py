@@ -22,6 +22,7 @@ from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.memory import release_free_memory
 from kvserve.arch import ModelArchitecture
 from kvserve.families import SUPPORTED_ARCHITECTURES, family_of
+from kvserve.families.experts import GGUF_EXPERT_TENSORS
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -56,7 +57,7 @@ def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
     own = family_of(architecture).gguf_layer_tensors if architecture in SUPPORTED_ARCHITECTURES else {}
-    names = {**_LAYER_TENSORS, **own}
+    names = {**_LAYER_TENSORS, **GGUF_EXPERT_TENSORS, **own}
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
@@ -78,13 +79,14 @@ def is_quantizable(name: str) -> bool:
     return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
-def _tensor_bytes(path: Path, tensor) -> np.ndarray:
+def _tensor_bytes(path: Path, tensor, rows: int | None = None) -> np.ndarray:
     """The tensor's raw bytes read into fresh memory ([rows, bytes per row], HF's row order
     not yet restored). Read, not mapped: pages of a mapping stay resident until the whole
-    reader goes, which doubles the peak memory of a load."""
+    reader goes, which doubles the peak memory of a load. `rows`: all rows of a stack of
+    experts; by default torch's first dimension (GGUF lists dims fastest-first)."""
     count = int(tensor.n_bytes)
     raw = np.fromfile(path, dtype=np.uint8, count=count, offset=int(tensor.data_offset))
-    rows = int(tensor.shape[-1])  # torch's first dimension (GGUF lists dims fastest-first)
+    rows = rows or int(tensor.shape[-1])
     return raw.reshape(rows, count // rows)
 
 
@@ -105,26 +107,16 @@ def read_weights(
     weights: dict = {}
     permute = arch.architecture in ("llama", "mistral")
     dequantized: dict[str, int] = {}
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name, arch.architecture)
-        if name is None:
-            raise UnsupportedModelError(f"unsupported GGUF tensor {tensor.name!r}")
-        type_name = tensor.tensor_type.name  # open_gguf has refused types gguf does not know
-        # GGUF lists dims fastest-first; torch's [out, in] is the reverse
-        shape = [int(d) for d in reversed(tensor.shape)]
-        heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads if ".k_proj." in name else 0
-        raw = _tensor_bytes(path, tensor)
-        if permute and heads:
-            raw = _unpermute_rows(raw, heads)
+
+    def read_one(name: str, type_name: str, shape: list[int], raw: np.ndarray, tensor) -> None:
         runnable = type_name in quant_formats.GGUF_NATIVE + quant_formats.GGUF_REPACKED
         if (
             quantization == "native" and runnable and is_quantizable(name) and len(shape) == 2
             and quant_formats.packable(*shape)
         ):  # fmt: skip
             weights[name] = quant_formats.from_gguf(type_name, raw, *shape)
-            del raw
             release_free_memory()  # a repack's transients sit between packed weights: hand them back now
-            continue
+            return
         if type_name not in _FLOAT_TYPES and is_quantizable(name):
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
         try:
@@ -135,8 +127,30 @@ def read_weights(
         # RoPE frequency factors stay fp32: they scale angles, not activations
         value = torch.from_numpy(array).to(torch.float32 if name.startswith("rope_") else dtype)
         weights[name] = transform(name, value) if transform else value
-        del raw, array, value
+        del array, value
         release_free_memory()
+
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, arch.architecture)
+        if name is None:
+            raise UnsupportedModelError(f"unsupported GGUF tensor {tensor.name!r}")
+        type_name = tensor.tensor_type.name  # open_gguf has refused types gguf does not know
+        # GGUF lists dims fastest-first; torch's [out, in] is the reverse
+        shape = [int(d) for d in reversed(tensor.shape)]
+        if name.endswith("shared_expert_gate.weight"):
+            shape = [1, shape[-1]]  # llama.cpp stores the shared expert's gate as a vector
+        if "{e}" in name:  # a stack of experts [E, rows, cols]: each expert its own weight
+            raw = _tensor_bytes(path, tensor, rows=shape[0] * shape[1])
+            for e, part in enumerate(np.split(raw, shape[0])):
+                read_one(name.format(e=e), type_name, shape[1:], part, tensor)
+            del raw
+            continue
+        heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads if ".k_proj." in name else 0
+        raw = _tensor_bytes(path, tensor)
+        if permute and heads:
+            raw = _unpermute_rows(raw, heads)
+        read_one(name, type_name, shape, raw, tensor)
+        del raw
     if quantization == "native" and dequantized and notes is not None:
         kinds = ", ".join(f"{n} x {t}" for t, n in sorted(dequantized.items()))
         notes.append(f"dequantized to {str(dtype).removeprefix('torch.')} at load (no kernel for their type): {kinds}")
@@ -156,10 +170,17 @@ def quantized_projection_types(reader) -> list[str]:
 
 def load_tokenizer(path: Path):
     """transformers builds a fast tokenizer (with the chat template) from GGUF metadata."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as exc:
+            if "is not supported yet" not in str(exc):
+                raise
+            # transformers reads no config of this architecture (OLMoE): its tokenizer
+            # converter needs none, only the file's tokenizer.ggml.* fields
+            return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot build a tokenizer from its GGUF metadata ({exc})") from exc
 

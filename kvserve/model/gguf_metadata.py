@@ -309,4 +309,8 @@ def _family_options(reader, a: str, num_layers: int, hidden: int, num_heads: int
         return {}
     head_dim = int(field(reader, f"{a}.attention.key_length") or hidden // num_heads)
     meta = GGUFMeta(a, num_layers, hidden, num_heads, head_dim, lambda key: field(reader, key))
-    return family_of(model_type).gguf_options(meta, model_type)
+    options = family_of(model_type).gguf_options(meta, model_type)
+    if options.get("num_experts"):  # a mixture of experts' dense layers: those without a router
+        routed = {t.name for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+        options["dense_layers"] = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in routed)
+    return options

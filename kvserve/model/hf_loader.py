@@ -61,9 +61,10 @@ def read_safetensors(file: Path):
             yield name, torch.frombuffer(data, dtype=dtype).reshape(info["shape"]) if data else torch.empty(info["shape"], dtype=dtype)
 
 
-def read_weights(model_dir: Path, dtype: torch.dtype, transform=None) -> dict:
+def read_weights(model_dir: Path, dtype: torch.dtype, transform=None, rename=None) -> dict:
     """Every tensor in `dtype`; `transform(name, tensor)` (e.g. quantization at load) applied to
-    each as it is read, so the float model never exists whole."""
+    each as it is read, so the float model never exists whole. `rename(name)`: the family's
+    name for it in the decoder's naming (Family.hf_tensor_name), taken first."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weight files (pickle checkpoints are not loaded)")
@@ -72,6 +73,8 @@ def read_weights(model_dir: Path, dtype: torch.dtype, transform=None) -> dict:
         for name, raw in read_safetensors(file):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if rename is not None:
+                name = rename(name)
             tensor = raw.to(dtype)
             del raw
             weights[name] = transform(name, tensor) if transform else tensor

@@ -23,6 +23,7 @@ from kvserve.memory import release_free_memory
 from kvserve.arch import ModelArchitecture, RopeScaling
 from kvserve.model.layers import GeluTanhMLP, RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary, longrope_long
 from kvserve.model.linear import Linear, cat_rows
+from kvserve.model.moe import ExpertCounts, SparseMoE
 from kvserve.model.quant_formats import QuantizedWeight
 
 
@@ -46,7 +47,7 @@ class RopeInputs:
 class LlamaAttention(nn.Module):
     def __init__(
         self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str, kernels: KernelSupport,
-        window: int | None = None,
+        window: int | None = None, tp=None, kv_replication: int = 1,
     ):
         super().__init__()
         self.window = window  # a sliding window's width, None for full attention (attention/sliding_window.py)
@@ -64,7 +65,13 @@ class LlamaAttention(nn.Module):
         self.o = Linear(w.pop(f"{prefix}.o_proj.weight"), None, kernels)
         # Qwen3: RMSNorm over each q and k head (weights [H], shared by the heads), before RoPE
         self.q_norm = self.k_norm = None
-        if arch.qk_norm:
+        self.whole_norm: WholeProjectionNorm | None = None
+        if arch.qk_norm_whole:  # OLMoE: over all of q's and all of k's features, this rank's share of them
+            self.whole_norm = WholeProjectionNorm(
+                w.pop(f"{prefix}.q_norm.weight"), w.pop(f"{prefix}.k_norm.weight"), self.q_size, self.kv_size,
+                arch.rms_norm_eps, tp, kv_replication,
+            )  # fmt: skip
+        elif arch.qk_norm:
             ops = kernels.op("qk_norm")
             self.q_norm = _norm(arch, w, f"{prefix}.q_norm.weight", ops)
             self.k_norm = _norm(arch, w, f"{prefix}.k_norm.weight", ops)
@@ -79,6 +86,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, meta: AttentionMetadata | RequestStep) -> torch.Tensor:
         qkv = self.qkv(x)
+        if self.whole_norm is not None:  # before the requests layout's exchange: its statistics span the ranks' heads
+            qkv = self.whole_norm(qkv)
         if isinstance(meta, RequestStep):
             # the requests KV layout (distributed/request_layout.py): this rank's heads of every
             # row go to the rows' ranks; all heads of this rank's own rows come back, attend
@@ -147,6 +156,35 @@ def norm_heads_(
     return qkv
 
 
+class WholeProjectionNorm(nn.Module):
+    """OLMoE's q and k norms: RMSNorm over the whole Q projection (N_q·H features) and the whole
+    K projection, on a QKV output [T, (N_q + 2·N_kv)·H], V as it is. Under tensor parallelism a
+    rank holds some heads: the sums of squares are AllReduced (a KV head held by r ranks counted
+    once: its sum divided by r), so every rank normalises by the whole projection's RMS."""
+
+    def __init__(self, q_weight, k_weight, q_size: int, kv_size: int, eps: float, tp=None, kv_replication: int = 1):
+        super().__init__()
+        self.q_weight = nn.Parameter(q_weight, requires_grad=False)
+        self.k_weight = nn.Parameter(k_weight, requires_grad=False)
+        self.q_size, self.kv_size, self.eps = q_size, kv_size, eps
+        self.tp = tp if tp is not None and tp.world > 1 else None
+        self.kv_replication = kv_replication
+        world = 1 if self.tp is None else self.tp.world
+        # the whole projections' widths: every rank's share of q; of k, each KV head once
+        self.q_width, self.k_width = q_size * world, kv_size * world // kv_replication
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.float().split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        sums = torch.stack([q.pow(2).sum(-1), k.pow(2).sum(-1) / self.kv_replication], dim=-1)  # [T, 2]
+        if self.tp is not None:
+            sums = self.tp.all_reduce(sums)
+        q = q * torch.rsqrt(sums[:, :1] / self.q_width + self.eps)
+        k = k * torch.rsqrt(sums[:, 1:] / self.k_width + self.eps)
+        # as transformers' RMSNorm: the normalised features in the model's dtype, then times w
+        dtype = qkv.dtype
+        return torch.cat([self.q_weight * q.to(dtype), self.k_weight * k.to(dtype), v.to(dtype)], dim=-1)
+
+
 def _rope_divisors(weights: dict, arch: ModelArchitecture, max_positions: int) -> torch.Tensor | None:
     """A GGUF's per-frequency RoPE divisors: llama3's `rope_freqs`, or LongRoPE's long or short
     factors (the set the served context calls for); None where the config's scaling says it all."""
@@ -181,6 +219,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(
         self, arch: ModelArchitecture, w: dict[str, torch.Tensor], index: int, kernels: KernelSupport, tp=None,
+        expert_counts: ExpertCounts | None = None, kv_replication: int = 1,
     ):  # fmt: skip
         super().__init__()
         self.tp = tp  # distributed/group.py TensorParallelGroup, or None
@@ -189,7 +228,7 @@ class LlamaDecoderLayer(nn.Module):
         p = f"model.layers.{index}"
         norm_ops = kernels.op("rms_norm")
         self.input_layernorm = _norm(arch, w, f"{p}.input_layernorm.weight", norm_ops)
-        self.self_attn = LlamaAttention(arch, w, f"{p}.self_attn", kernels, arch.layer_window(index))
+        self.self_attn = LlamaAttention(arch, w, f"{p}.self_attn", kernels, arch.layer_window(index), tp, kv_replication)
         # the norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
         self.attn_out_norm = self.mlp_out_norm = None
         if arch.sandwich_norms:
@@ -198,8 +237,12 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp_out_norm = _norm(arch, w, f"{p}.post_feedforward_layernorm.weight", norm_ops)
         else:
             self.post_attention_layernorm = _norm(arch, w, f"{p}.post_attention_layernorm.weight", norm_ops)
-        gate, up, down = (w.pop(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-        self.mlp = GeluTanhMLP(gate, up, down, kernels) if arch.hidden_act == "gelu_tanh" else SiluMLP(gate, up, down, kernels)
+        if arch.layer_is_sparse(index):  # routed experts (model/moe.py)
+            self.mlp = SparseMoE(arch, w, f"{p}.mlp", kernels, expert_counts if expert_counts is not None else ExpertCounts())
+        else:
+            gate, up, down = (w.pop(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+            mlp = GeluTanhMLP if arch.hidden_act == "gelu_tanh" else SiluMLP
+            self.mlp = mlp(gate, up, down, kernels)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, meta: AttentionMetadata
@@ -229,10 +272,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self, arch: ModelArchitecture, weights: dict[str, torch.Tensor], max_positions: int, kernels: KernelSupport,
         tp=None, vocab: tuple[int, int] | None = None, vocab_sizes: list[int] | None = None,
-        request_heads: RequestHeads | None = None,
+        request_heads: RequestHeads | None = None, kv_replication: int = 1,
     ):  # fmt: skip
         super().__init__()
         self.arch = arch
+        self.expert_counts = ExpertCounts()  # what the sparse layers' experts read, all steps (model/moe.py)
         self.kernels = kernels
         self.tp = tp if tp is not None and tp.world > 1 else None
         self.vocab = vocab or (0, arch.vocab_size)
@@ -242,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         self._dtype = torch.bfloat16 if isinstance(embed, QuantizedWeight) else embed.dtype
         self.layers = nn.ModuleList()
         for i in range(arch.num_layers):
-            self.layers.append(LlamaDecoderLayer(arch, weights, i, kernels, self.tp))
+            self.layers.append(LlamaDecoderLayer(arch, weights, i, kernels, self.tp, self.expert_counts, kv_replication))
             if kernels.ops is not None:
                 # packed as each layer is built, so the float copies a packing replaces go layer
                 # by layer and the load's peak memory stays near the model's final footprint
@@ -326,10 +370,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             kinds["qkv"].append(layer.self_attn.qkv)
             kinds["o"].append(layer.self_attn.o)
-            kinds["gate_up"].append(layer.mlp.gate_up)
-            kinds["down"].append(layer.mlp.down)
+            # a sparse layer's experts by kind: expert.gate_up, expert.down, shared_expert.*
+            mlps = layer.mlp.mlps() if isinstance(layer.mlp, SparseMoE) else [("", layer.mlp)]
+            for prefix, mlp in mlps:
+                for part in ("gate_up", "down"):
+                    kinds.setdefault(f"{prefix}.{part}" if prefix else part, []).append(getattr(mlp, part))
         kinds["lm_head"] = [self.lm_head]
-        return kinds
+        return {kind: lins for kind, lins in kinds.items() if lins}
 
     def weight_bytes(self, exclude: tuple[nn.Module, ...] = ()) -> int:
         """Bytes of every weight as held (each packed copy once; a tied table once), leaving
@@ -360,11 +407,18 @@ class LlamaForCausalLM(nn.Module):
                 total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         return total
 
-    def decode_weight_bytes(self) -> int:
+    def decode_weight_bytes(self, routed_experts: bool = True) -> int:
         """Bytes of the weights a decode step reads in full: all but an untied embedding table
-        (one row of it is read). A quantized format counts its codes, scales and minima."""
+        (one row of it is read). A quantized format counts its codes, scales and minima.
+        `routed_experts=False`: without a mixture of experts' routed experts, of which a step
+        reads only those chosen (ExpertCounts says which: model/moe.py)."""
         untied = () if self.embed_tokens is self.lm_head else (self.embed_tokens,)
-        return self.weight_bytes(exclude=untied)
+        experts = () if routed_experts else tuple(moe.experts for moe in self.sparse_layers())
+        return self.weight_bytes(exclude=untied + experts)
+
+    def sparse_layers(self) -> list[SparseMoE]:
+        """The routed-expert FFNs of a mixture of experts' sparse layers (none for a dense model)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
     def describe_projections(self) -> str:
         """Each projection kind's format, kernels and compute format, and the weights' bytes."""

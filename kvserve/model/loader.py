@@ -94,7 +94,8 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, quantizati
     notes: list[str] = []
     if path.is_dir():
         arch = hf_loader.read_architecture(path)
-        weights = hf_loader.read_weights(path, dtype, transform=_quantizer(quantization))
+        rename = family_of(arch.architecture).hf_tensor_name
+        weights = hf_loader.read_weights(path, dtype, transform=_quantizer(quantization), rename=rename)
         tokenizer = hf_loader.load_tokenizer(path)
         from_cache = False
     elif quantization == "none":
@@ -200,6 +201,13 @@ def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], pa
         required.append("lm_head.weight")
     for i in range(arch.num_layers):
         prefix = f"model.layers.{i}."
+        if arch.layer_is_sparse(i):  # the router, every expert, the shared expert and its gate where there is one
+            ffn = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(arch.num_experts)
+                                         for p in ("gate", "up", "down")]  # fmt: skip
+            if arch.shared_expert_intermediate_size:
+                ffn += [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")] + ["mlp.shared_expert_gate.weight"]
+        else:
+            ffn = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
         required += [
             prefix + n
             for n in (
@@ -209,9 +217,7 @@ def _check_weights(arch: ModelArchitecture, weights: dict[str, torch.Tensor], pa
                 "self_attn.k_proj.weight",
                 "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight",
-                "mlp.gate_proj.weight",
-                "mlp.up_proj.weight",
-                "mlp.down_proj.weight",
+                *ffn,
                 *(("self_attn.q_norm.weight", "self_attn.k_norm.weight") if arch.qk_norm else ()),
                 *(("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight") if arch.sandwich_norms else ()),
             )

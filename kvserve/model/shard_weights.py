@@ -22,7 +22,6 @@ def shard_weights(weights: dict[str, torch.Tensor], arch: ModelArchitecture, sha
     H = arch.head_dim
     q0, q1 = shard.q_heads[0] * H, shard.q_heads[1] * H
     k0, k1 = shard.kv_heads[0] * H, shard.kv_heads[1] * H
-    f0, f1 = shard.ffn
     v0, v1 = shard.vocab
 
     def rows(t, lo, hi):
@@ -35,18 +34,25 @@ def shard_weights(weights: dict[str, torch.Tensor], arch: ModelArchitecture, sha
             return _quantized(slice_cols, t, lo, hi, name)
         return t[:, lo:hi].contiguous()
 
+    def ffn_of(name: str) -> tuple[int, int]:  # the width this FFN's columns are cut from
+        return shard.expert_ffn if ".mlp.experts." in name else shard.shared_ffn if ".mlp.shared_expert." in name else shard.ffn
+
     for name in list(weights):
         t = weights[name]
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch.qk_norm_whole and name.endswith("q_norm.weight"):  # OLMoE's norm over the whole Q projection
+            weights[name] = t[q0:q1].contiguous()
+        elif arch.qk_norm_whole and name.endswith("k_norm.weight"):
+            weights[name] = t[k0:k1].contiguous()
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):
             weights[name] = rows(t, q0, q1)
         elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
             weights[name] = rows(t, k0, k1)
         elif name.endswith("o_proj.weight"):
             weights[name] = cols(t, q0, q1)
         elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-            weights[name] = rows(t, f0, f1)
+            weights[name] = rows(t, *ffn_of(name))
         elif name.endswith("down_proj.weight"):
-            weights[name] = cols(t, f0, f1)
+            weights[name] = cols(t, *ffn_of(name))
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             weights[name] = rows(t, v0, v1)
 

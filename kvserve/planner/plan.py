@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvserve.errors import ConfigError
-from kvserve.planner import capacity, kv, latency, roofline, sections_memory, sections_serving, weight_shares
+from kvserve.planner import capacity, kv, latency, moe, roofline, sections_memory, sections_serving, weight_shares
 from kvserve.planner.inputs import PlanInputs
 from kvserve.planner.layout import Placement, place
 from kvserve.planner.quantity import Quantity, Section
@@ -53,6 +53,16 @@ class Derived:
         return kv.held_positions_paged(i.history_positions, i.model.arch.layer_windows, i.kv_block_positions) * self.kv_bytes_per_position
 
     @cached_property
+    def experts(self) -> moe.ExpertShape | None:
+        """A mixture of experts' shape (planner/moe.py), None for a dense model."""
+        return moe.expert_shape(self.inputs.model.arch, self.inputs.model.num_params)
+
+    @cached_property
+    def active_params(self) -> float:
+        """The parameters each token multiplies: P, or a mixture of experts' P_active."""
+        return self.inputs.model.num_params if self.experts is None else self.experts.active_params
+
+    @cached_property
     def weight_bytes(self) -> float:
         return self.inputs.model.num_params * self.inputs.bytes_per_weight
 
@@ -88,7 +98,7 @@ class Derived:
         layout = layout or self.inputs.kv_layout
         return roofline.step_time(
             self.placement(layout, num_chips, read_once), batch, self.inputs.chip.peak_flops_per_s,
-            self.inputs.chip.hbm_bytes_per_s, self.exchange_s(layout),
+            self.inputs.chip.hbm_bytes_per_s, self.exchange_s(layout), self.experts,
         )
 
     @cached_property
@@ -113,7 +123,7 @@ class Derived:
     @cached_property
     def prefill_s(self) -> float:
         i = self.inputs
-        return latency.prefill_time_s(i.model.num_params, i.prompt_positions, i.num_chips, i.chip.peak_flops_per_s, i.utilisation)
+        return latency.prefill_time_s(self.active_params, i.prompt_positions, i.num_chips, i.chip.peak_flops_per_s, i.utilisation)
 
 
 def _weight_share(inputs: PlanInputs, num_chips: int) -> WeightShare | str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.planner.layout import Placement
+from kvserve.planner.moe import ExpertShape
 
 
 def critical_batch(peak_flops_per_s: float, hbm_bytes_per_s: float, bytes_per_weight: float) -> float:
@@ -44,12 +45,19 @@ class StepTime:
         return self.projection_s + self.kv_read_s + self.exchange_s
 
 
-def step_time(placement: Placement, batch: int, peak_flops_per_s: float, hbm_bytes_per_s: float, exchange_s: float = 0.0) -> StepTime:
-    """t_step(B) = max(2·(P/N)·B/C, (W/N)/β) + K_chip(B)/β + t_exchange."""
+def step_time(
+    placement: Placement, batch: int, peak_flops_per_s: float, hbm_bytes_per_s: float, exchange_s: float = 0.0,
+    experts: ExpertShape | None = None,
+) -> StepTime:
+    """t_step(B) = max(2·(P/N)·B/C, (W/N)/β) + K_chip(B)/β + t_exchange. A mixture of experts
+    (`experts`, planner/moe.py): 2·(P_active/N)·B/C and (W/N)·P_read(B)/P, each expert split over
+    the chips as a dense FFN is."""
+    active = 1.0 if experts is None else experts.active_params / experts.num_params
+    read = 1.0 if experts is None else experts.read_fraction(batch)
     return StepTime(
         batch=batch,
-        projection_compute_s=2 * placement.params_per_chip * batch / peak_flops_per_s,
-        weight_read_s=placement.weight_bytes_per_chip / hbm_bytes_per_s,
+        projection_compute_s=2 * placement.params_per_chip * active * batch / peak_flops_per_s,
+        weight_read_s=placement.weight_bytes_per_chip * read / hbm_bytes_per_s,
         kv_read_s=placement.kv_read_bytes_on_busiest_chip(batch) / hbm_bytes_per_s,
         exchange_s=exchange_s,
     )

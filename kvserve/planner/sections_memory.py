@@ -142,9 +142,37 @@ def batch_section(d) -> list[Q]:
         Q("critical_batch_half_weight_bytes", "B* with p_w halved, same C", b_star / 2, "", "C·(p_w/2)/(2β)",
           f"{num(b_star)}/2", note="doubling C as well would keep B* unchanged"),
     ]
+    out += _experts(d)
     out += _step_quantities(d, cap)
     out += _layout_comparison(d)
     return out
+
+
+def _experts(d) -> list[Q]:
+    """A mixture of experts (planner/moe.py): the critical batch and the step's weight read move."""
+    e = d.experts
+    if e is None:
+        return []
+    i, chip = d.inputs, d.inputs.chip
+    C, beta, pw = chip.peak_flops_per_s, chip.hbm_bytes_per_s, i.bytes_per_weight
+    B = d.decode_batch
+    b_star = e.critical_batch(C, beta, pw)
+    touched = e.experts_touched(B)
+    return [
+        Q("moe_active_params", "active parameters per token P_active", e.active_params, "", "P − P_routed + L_sparse·k·P_expert",
+          f"{num(e.num_params)} − {num(e.routed_params)} + {e.num_sparse_layers}·{e.top_k}·{num(e.expert_params)}"),
+        Q("moe_experts_touched", "experts read per sparse layer at the decode batch", touched, "",
+          "E·(1 − (1 − k/E)^B)", f"{e.num_experts}·(1 − (1 − {e.top_k}/{e.num_experts})^{B})",
+          note=f"uniform routing; at most min(E, k·B) = {num(e.experts_touched(B, bound=True))}"),
+        Q("moe_weight_bytes_read_per_step", "weight bytes one decode step reads", e.params_read(B) * pw, "B",
+          "(P − P_routed + L_sparse·E_touched(B)·P_expert)·p_w", f"{num(e.params_read(B))}·{num(pw)}",
+          note=f"a dense model of the same P reads {num(e.num_params * pw)} B; bound {num(e.params_read(B, bound=True) * pw)} B"),
+        Q("moe_batch1_weight_bytes_read", "weight bytes a batch-1 step reads", e.params_read(1) * pw, "B",
+          "(P − P_routed + L_sparse·k·P_expert)·p_w", f"{num(e.params_read(1))}·{num(pw)}"),
+        Q("moe_critical_batch", "critical batch with routed experts", b_star, "",
+          "B where 2·P_active·B/C = P_read(B)·p_w/β", f"dense B* would be {num(critical_batch(C, beta, pw))}",
+          note="the read grows with B until every expert is touched, so B* moves up"),
+    ]
 
 
 def _sharded_weights(d) -> Q:

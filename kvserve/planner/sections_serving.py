@@ -25,13 +25,15 @@ def latency_section(d) -> list[Q]:
     saved_decode = effect.total_s - effect.halved_decode_total_s
     helps = "decode" if saved_decode > saved_prefill else "prefill"
     p = d.placement()
+    P = "2·P_active" if d.experts else "2·P"
     kv_ceiling = p.num_chips * chip.hbm_bytes_per_s / d.kv_bytes_per_request if p.layout == "requests" else \
         chip.hbm_bytes_per_s / p.kv_bytes_per_request_per_chip
     return [
-        Q("prefill_flops", "prefill projection work", latency.prefill_projection_flops(m.num_params, i.prompt_positions), "FLOP",
-          "2·P·S", f"2·{num(m.num_params)}·{i.prompt_positions}", note="forward only: not 6PS; attention pairs apart"),
-        Q("prefill_s", "prefill time", d.prefill_s, "s", "2·P·S/(N·C·η)",
-          f"2·{num(m.num_params)}·{i.prompt_positions}/({i.num_chips}·{num(chip.peak_flops_per_s)}·{num(i.utilisation)})"),
+        Q("prefill_flops", "prefill projection work", latency.prefill_projection_flops(d.active_params, i.prompt_positions), "FLOP",
+          P + "·S", f"2·{num(d.active_params)}·{i.prompt_positions}", note="forward only: not 6PS; attention pairs apart"
+          + ("; P_active: each token's k experts" if d.experts else "")),
+        Q("prefill_s", "prefill time", d.prefill_s, "s", P + "·S/(N·C·η)",
+          f"2·{num(d.active_params)}·{i.prompt_positions}/({i.num_chips}·{num(chip.peak_flops_per_s)}·{num(i.utilisation)})"),
         Q("ttft_s", "TTFT (no queueing, no network)", effect.ttft_s, "s", "t_prefill", num(effect.ttft_s)),
         Q("total_s", "total time for N_out tokens", effect.total_s, "s", "t_prefill + (N_out − 1)·t_step",
           f"{num(d.prefill_s)} + {n_out - 1}·{num(step)}"),

@@ -102,6 +102,16 @@ class _EngineCollector:
         yield self._counter("attention_kv_bytes_read_without_sharing", "KV cache bytes attention would read scanning every "
                             "request's history alone.", counters.attention_kv_bytes_read_without_sharing)
 
+        if engine.arch.num_experts and engine.model is not None:  # a mixture of experts: what its routed experts read (model/moe.py)
+            moe = engine.model.expert_counts
+            yield self._counter("moe_experts_touched", "Routed experts run, summed over sparse layers and steps "
+                                "(each chosen expert once per layer per step).", moe.experts_touched)
+            yield self._counter("moe_expert_weight_bytes_read", "Bytes of routed experts' weights read (this rank's share "
+                                "under tensor parallelism).", moe.expert_weight_bytes)
+            yield self._counter("moe_expert_weight_bytes_dense_equivalent", "Bytes the same steps would have read running "
+                                "every expert.", moe.all_experts_bytes)
+            yield self._counter("moe_layer_passes", "Sparse layers run, summed over steps.", moe.layer_passes)
+
         finished = CounterMetricFamily(
             "kvserve:request_success", "Finished requests (samples) by reason: stop, length, abort.", labels=["model_name", "finished_reason"]
         )

@@ -38,9 +38,18 @@ SHAPES = {
                            sliding_window=8),
     # Mistral v0.1's window (8 here, past the prompt): every row on the decode kernel's ranged form
     "mistral-window": dict(model_type="mistral", num_heads=4, num_kv_heads=2, hidden_size=256, sliding_window=8),
+    # mixtures of experts: each chosen expert's bf16 projections on the kernels (the layers layer
+    # by layer): Qwen3-MoE's per-head norms at head_dim 128, Qwen2-MoE's shared expert, OLMoE's
+    # norms over the whole projections
+    "qwen3-moe-hd128": dict(model_type="qwen3_moe", num_heads=4, num_kv_heads=2, hidden_size=256, head_dim=128,
+                            moe_intermediate_size=64),
+    "qwen2-moe": dict(model_type="qwen2_moe", num_heads=4, num_kv_heads=2, hidden_size=256, moe_intermediate_size=64),
+    "olmoe": dict(model_type="olmoe", num_heads=4, num_kv_heads=2, hidden_size=256, moe_intermediate_size=64,
+                  num_experts_per_tok=4),
 }
 PARTIAL = {"phi4-partial"}
-NOT_FUSED = PARTIAL | {"gemma2-softcap"}  # the fused step needs full rotary and the attention kernel (no soft-cap)
+MOE = {"qwen3-moe-hd128", "qwen2-moe", "olmoe"}  # the fused step does not run routed experts
+NOT_FUSED = PARTIAL | MOE | {"gemma2-softcap"}  # the fused step needs full rotary and the attention kernel (no soft-cap)
 WINDOWED = {"mistral-window", "gemma3-hd256"}  # their decode steps all see past the window (the fused step's ranged reads)
 PROMPT = "What is the capital of France? The capital"
 STEPS = 4
@@ -80,7 +89,7 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
     engine = _engine(path)
     k = engine.model.kernels
     assert k.level == (kernel_level or k.level), k.describe()
-    assert k.qk_norm.enabled == engine.arch.qk_norm, k.describe()
+    assert k.qk_norm.enabled == (engine.arch.qk_norm and not engine.arch.qk_norm_whole), k.describe()
     attention_kernels = engine.arch.head_dim <= ops.limits()["decode_attention_max_head_dim"] and not engine.arch.attn_logit_softcapping
     assert k.decode_attention.enabled == attention_kernels, k.describe()
     assert k.fused_decode.enabled == (shape not in NOT_FUSED), k.describe()

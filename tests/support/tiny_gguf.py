@@ -41,6 +41,30 @@ _ARCH_NAMES["gemma2"] = _ARCH_NAMES["gemma3"]
 GEMMA = ("gemma2", "gemma3")
 
 
+# the decoder's names of a sparse layer (Mixtral's renamed by the test: families/llama.py) -> llama.cpp's
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_SHARED_NAMES = {"shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
+                 "shared_expert.down_proj": "ffn_down_shexp"}  # fmt: skip
+
+
+def _add_experts(add, weights: dict, i: int, experts: int) -> None:
+    """Layer i's router, its experts stacked [E, rows, cols] per projection, and a shared
+    expert with its gate (a vector in llama.cpp), where the layer is sparse."""
+    mixtral = f"model.layers.{i}.block_sparse_moe.gate.weight" in weights
+    mlp = f"model.layers.{i}." + ("block_sparse_moe" if mixtral else "mlp")
+    if f"{mlp}.gate.weight" not in weights:
+        return  # a dense layer (Qwen's mlp_only_layers)
+    add(f"blk.{i}.ffn_gate_inp.weight", weights[f"{mlp}.gate.weight"])
+    for proj, gguf_name in _EXPERT_NAMES.items():
+        own = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj] if mixtral else proj
+        add(f"blk.{i}.{gguf_name}.weight", np.stack([weights[f"{mlp}.experts.{e}.{own}.weight"] for e in range(experts)]))
+    for hf_name, gguf_name in _SHARED_NAMES.items():
+        if f"{mlp}.{hf_name}.weight" in weights:
+            add(f"blk.{i}.{gguf_name}.weight", weights[f"{mlp}.{hf_name}.weight"])
+    if f"{mlp}.shared_expert_gate.weight" in weights:
+        add(f"blk.{i}.ffn_gate_inp_shexp.weight", weights[f"{mlp}.shared_expert_gate.weight"].reshape(-1))
+
+
 def write_gguf(
     hf_dir: Path, out: Path, architecture: str = "llama", quant_type: str | None = None, metadata: dict | None = None
 ) -> Path:
@@ -50,7 +74,8 @@ def write_gguf(
     def add(name: str, t: np.ndarray) -> None:
         if architecture in GEMMA and name.endswith("norm.weight"):
             t = t + np.float32(1.0)  # llama.cpp's converter stores Gemma's norms as the 1 + w they apply
-        if quant_type and name.endswith(".weight") and t.ndim == 2 and "norm" not in name:
+        # as llama.cpp's quantize: the router (ffn_gate_inp) stays float; a stack of experts is quantized
+        if quant_type and name.endswith(".weight") and t.ndim in (2, 3) and "norm" not in name and "gate_inp" not in name:
             qtype = gguf.GGMLQuantizationType[quant_type]
             w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), qtype), raw_dtype=qtype)
         else:
@@ -83,6 +108,14 @@ def write_gguf(
             w.add_float32(f"{a}.{key}", config[key])
     if rope.get("rope_type") == "longrope":  # the factors as tensors, as llama.cpp's converter writes them
         w.add_uint32(f"{a}.rope.scaling.original_context_length", config["original_max_position_embeddings"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:  # a mixture of experts' fields, as llama.cpp's converter writes them
+        w.add_uint32(f"{a}.expert_count", experts)
+        w.add_uint32(f"{a}.expert_used_count", config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            w.add_uint32(f"{a}.expert_feed_forward_length", config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            w.add_uint32(f"{a}.expert_shared_feed_forward_length", config["shared_expert_intermediate_size"])
     if head_dim != config["hidden_size"] // n_heads:  # as llama.cpp's converter: only where it differs
         w.add_uint32(f"{a}.attention.key_length", head_dim)
         w.add_uint32(f"{a}.attention.value_length", head_dim)
@@ -123,6 +156,7 @@ def write_gguf(
             elif hf_name.startswith("self_attn.k_proj") and architecture == "llama":
                 t = _llama_cpp_permute(t, n_kv)
             add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(t))
+        _add_experts(add, weights, i, experts or 0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -61,12 +61,19 @@ def make_tiny_model(
     sliding_window: int = 64,
     sliding_window_pattern: int = 6,
     seed: int = 0,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    mlp_only_layers: tuple[int, ...] = (),
+    norm_topk_prob: bool | None = None,
 ) -> Path:
     """Write a random model + tokenizer to `path` (an HF directory); returns `path`.
     `head_dim`: Qwen3's own (its config names it; hidden_size / num_heads otherwise);
     `rope_parameters`: a Llama's or Phi-3's RoPE scaling, as transformers' config takes it;
     `partial_rotary_factor`, `original_max_position_embeddings`: Phi-3's; `sliding_window`,
-    `sliding_window_pattern`: Gemma 3's (the window also Mistral's)."""
+    `sliding_window_pattern`: Gemma 3's (the window also Mistral's); `num_experts`,
+    `num_experts_per_tok`, `moe_intermediate_size`, `mlp_only_layers`, `norm_topk_prob`: a
+    mixture of experts' (mixtral, qwen2_moe, qwen3_moe, olmoe)."""
     from transformers import (
         LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
         Qwen3ForCausalLM,
@@ -125,6 +132,9 @@ def make_tiny_model(
             for name, p in model.named_parameters():
                 if p.dim() == 1 and "norm" in name:
                     p.normal_(0.0, 0.3)
+    elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        model = _tiny_moe(model_type, common, head_dim, num_experts, num_experts_per_tok, moe_intermediate_size,
+                          mlp_only_layers, norm_topk_prob)  # fmt: skip
     elif model_type == "mistral":  # every layer within `sliding_window` (Mistral v0.1)
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -141,11 +151,42 @@ def make_tiny_model(
         model = LlamaForCausalLM(LlamaConfig(**rope, **common))
     with torch.no_grad():  # a wider init than the default, so logits are not all near zero
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # a mixture of experts holds its experts stacked, 3-D
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _tiny_moe(model_type, common, head_dim, experts, k, width, mlp_only_layers, norm_topk_prob):
+    """A random mixture of experts from transformers' own config class; its router's weights
+    wide enough that tokens spread over the experts."""
+    import transformers
+
+    moe = dict(num_experts_per_tok=k)
+    if model_type == "mixtral":
+        cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            num_local_experts=experts, rope_theta=10000.0, sliding_window=None, **moe, **{**common, "intermediate_size": width})
+    elif model_type == "olmoe":
+        cls, config = transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+            num_experts=experts, norm_topk_prob=bool(norm_topk_prob), pad_token_id=common["eos_token_id"], **moe,
+            **{**common, "intermediate_size": width})  # fmt: skip
+    else:
+        qwen = dict(num_experts=experts, moe_intermediate_size=width, mlp_only_layers=list(mlp_only_layers),
+                    norm_topk_prob=bool(norm_topk_prob if norm_topk_prob is not None else model_type == "qwen3_moe"),
+                    rope_theta=1_000_000.0, use_sliding_window=False, **moe)  # fmt: skip
+        if model_type == "qwen2_moe":
+            cls, config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+                shared_expert_intermediate_size=64, **qwen, **common)
+        else:
+            cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+                head_dim=head_dim or common["hidden_size"] // common["num_attention_heads"], **qwen, **common)
+    model = cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:  # q/k norms start at 1; make them matter
+                p.normal_(1.0, 0.3)
+    return model
 
 
 def load_reference(path: Path):
@@ -170,6 +211,18 @@ TINY_VARIANTS = {
     "llama-8x2": dict(model_type="llama", num_heads=8, num_kv_heads=2, hidden_size=128),
     "llama-12x4": dict(model_type="llama", num_heads=12, num_kv_heads=4, hidden_size=192),
     "llama-8x2-hd64": dict(model_type="llama", num_heads=8, num_kv_heads=2, hidden_size=512),  # the CPU kernels' head_dim
+}
+
+# mixtures of experts (tests/model/test_moe.py): 8 experts of width 32, the top 2 per token
+# (OLMoE and Qwen3-MoE the top 4); Qwen2-MoE with its shared expert and a QKV bias, Qwen3-MoE
+# with a dense first layer (`mlp_only_layers`) and per-head q/k norms, OLMoE with its norms over
+# the whole projections
+MOE_VARIANTS = {
+    "mixtral": dict(model_type="mixtral", num_heads=4, num_kv_heads=2),
+    "qwen2-moe": dict(model_type="qwen2_moe", num_heads=4, num_kv_heads=2),
+    "qwen3-moe": dict(model_type="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32, num_experts_per_tok=4,
+                      mlp_only_layers=(0,), num_layers=3),
+    "olmoe": dict(model_type="olmoe", num_heads=4, num_kv_heads=2, num_experts_per_tok=4),
 }
 
 # Phi-4-mini's shape of RoPE: over 3/4 of each head, LongRoPE factors, original context 128

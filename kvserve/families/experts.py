@@ -1,0 +1,72 @@
+"""What every mixture-of-experts family shares: reading its expert fields from an HF config or
+GGUF metadata, and llama.cpp's names of the expert tensors.
+
+The decoder (model/moe.py) reads one naming whatever the checkpoint's: a sparse layer's router
+`mlp.gate.weight` [E, d], its experts `mlp.experts.{e}.{gate,up,down}_proj.weight`, and where
+there is one the shared expert `mlp.shared_expert.{gate,up,down}_proj.weight` with its gate
+`mlp.shared_expert_gate.weight` [1, d]. A GGUF stacks each layer's experts in one tensor
+(`ffn_gate_exps` [E, F, d], ...); the loader cuts it into those names (gguf_loader.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.errors import UnsupportedModelError
+from kvserve.families.base import GGUFMeta
+
+# llama.cpp's per-layer expert tensors -> the decoder's names; `{e}` marks a stack of experts
+GGUF_EXPERT_TENSORS = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+
+
+def hf_moe_options(config: dict[str, Any], expert_width_key: str, dense_layers: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The expert fields of an HF config, {} for a dense one. `expert_width_key`: the config's
+    name for an expert's width (Mixtral's and OLMoE's `intermediate_size`, Qwen's
+    `moe_intermediate_size`)."""
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    k = int(config.get("num_experts_per_tok") or 0)
+    if not 0 < k <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={k} must be between 1 and num_experts={experts}")
+    return dict(
+        num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(config[expert_width_key]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+        dense_layers=dense_layers,
+    )  # fmt: skip
+
+
+def qwen_dense_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen2-MoE's and Qwen3-MoE's dense layers: those in `mlp_only_layers`, and those off the
+    `decoder_sparse_step` (layer i is sparse where (i + 1) % step == 0), as transformers builds them."""
+    step = int(config.get("decoder_sparse_step") or 1)
+    only = set(config.get("mlp_only_layers") or ())
+    return tuple(i for i in range(config["num_hidden_layers"]) if i in only or (i + 1) % step)
+
+
+def gguf_moe_options(meta: GGUFMeta, *, norm_topk_prob: bool) -> dict[str, Any]:
+    """The expert fields of a GGUF (`{arch}.expert_count`, ...), {} for a dense one. llama.cpp
+    writes whether the top k are renormalised only for some architectures
+    (`expert_weights_norm`); `norm_topk_prob` is the architecture's rule otherwise."""
+    experts = int(meta.get("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    k = int(meta.get("expert_used_count", 0) or 0)
+    if not 0 < k <= experts:
+        raise UnsupportedModelError(f"{meta.prefix}.expert_used_count={k} must be between 1 and expert_count={experts}")
+    width = meta.get("expert_feed_forward_length") or meta.get("feed_forward_length")
+    norm = meta.get("expert_weights_norm")
+    return dict(
+        num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(width),
+        norm_topk_prob=norm_topk_prob if norm is None else bool(norm),
+        shared_expert_intermediate_size=int(meta.get("expert_shared_feed_forward_length", 0) or 0),
+    )  # fmt: skip

@@ -1,0 +1,125 @@
+"""A sparse layer's FFN (mixture of experts): each token's top-k experts, each chosen expert's
+weights read once per step for all the tokens routed to it, experts nobody chose not read.
+
+The router runs in fp32 whatever the model's dtype: logits x·Rᵀ, a softmax over all E experts,
+the top k, renormalised to sum 1 where the architecture says (`norm_topk_prob`; Mixtral always).
+The step's (token, expert) pairs are sorted by expert (a stable sort: within an expert its tokens
+keep their order), so each chosen expert runs once, as a SiLU MLP (model/layers.py) over the rows
+routed to it, through the same linear methods as a dense FFN: every weight format and kernel
+level the engine runs. Each row's contribution, times its routing weight, is added into an fp32
+sum in expert order, so a row's result depends neither on which other tokens share its experts
+(the quantized kernels' rows are batch-invariant) nor on the order of the batch. A shared
+expert (Qwen2-MoE) runs on every token, gated by sigmoid(x·g), and joins the sum last, as in
+transformers.
+
+`ExpertCounts` tallies what the steps read: experts touched per sparse layer and their weight
+bytes (as held: a quantized expert's codes, scales and minima), for the metrics and the benches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from kvserve.arch import ModelArchitecture
+from kvserve.kernels.support import KernelSupport
+from kvserve.model.layers import SiluMLP
+
+
+@dataclasses.dataclass
+class ExpertCounts:
+    """Running totals over every forward pass of the model: (layer, expert) pairs that ran, the
+    bytes of their weights, the sparse-layer passes (each layer of each step once), and the
+    bytes a pass reading every expert would have read (the dense equivalent). Under tensor
+    parallelism, this rank's share of each expert's bytes."""
+
+    experts_touched: int = 0
+    expert_weight_bytes: int = 0
+    layer_passes: int = 0
+    all_experts_bytes: int = 0
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.experts_touched, self.expert_weight_bytes, self.layer_passes
+
+
+def _mlp_bytes(mlp: SiluMLP) -> int:
+    return mlp.gate_up.stored_bytes + mlp.down.stored_bytes
+
+
+class SparseMoE(nn.Module):
+    """Routed experts (and a shared one where the architecture has it) from the weights under
+    `prefix` (`model.layers.{i}.mlp`, families/experts.py's names), popped as they are built."""
+
+    def __init__(
+        self, arch: ModelArchitecture, w: dict[str, torch.Tensor], prefix: str, kernels: KernelSupport, counts: ExpertCounts,
+    ):  # fmt: skip
+        super().__init__()
+        self.num_experts = arch.num_experts
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.counts = counts
+        self.router = nn.Parameter(w.pop(f"{prefix}.gate.weight").float(), requires_grad=False)  # [E, d], fp32
+        self.experts = nn.ModuleList(
+            SiluMLP(*(w.pop(f"{prefix}.experts.{e}.{p}_proj.weight") for p in ("gate", "up", "down")), kernels)
+            for e in range(arch.num_experts)
+        )
+        self.shared_expert = self.shared_expert_gate = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = SiluMLP(*(w.pop(f"{prefix}.shared_expert.{p}_proj.weight") for p in ("gate", "up", "down")), kernels)
+            gate = w.pop(f"{prefix}.shared_expert_gate.weight").float().reshape(1, -1)
+            self.shared_expert_gate = nn.Parameter(gate, requires_grad=False)
+        self._expert_bytes: list[int] | None = None
+
+    def expert_bytes(self, e: int) -> int:
+        """Bytes of expert e's weights as loaded (its format's codes, scales and minima)."""
+        if self._expert_bytes is None:
+            self._expert_bytes = [_mlp_bytes(m) for m in self.experts]
+        return self._expert_bytes[e]
+
+    @property
+    def all_bytes(self) -> int:
+        """Bytes of every routed expert of this layer."""
+        return sum(self.expert_bytes(e) for e in range(self.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, experts [T, k]) of each token: softmax over all experts in fp32, the top k."""
+        probs = torch.nn.functional.linear(x.float(), self.router).softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        weights, chosen = self.route(x)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert, tokens in order
+        rows_of = order // self.top_k
+        weight_of = weights.flatten()[order]
+        out = torch.zeros(tokens, x.shape[1], dtype=torch.float32)
+        start = touched = read = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if not n:
+                continue
+            rows, w = rows_of[start : start + n], weight_of[start : start + n]
+            start += n
+            y = self.experts[e](x.index_select(0, rows))
+            out.index_add_(0, rows, y.float() * w.unsqueeze(1))
+            touched += 1
+            read += self.expert_bytes(e)
+        counts = self.counts
+        counts.experts_touched += touched
+        counts.expert_weight_bytes += read
+        counts.layer_passes += 1
+        counts.all_experts_bytes += self.all_bytes
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(torch.nn.functional.linear(x.float(), self.shared_expert_gate))
+            out += gate * self.shared_expert(x).float()
+        return out.to(x.dtype)
+
+    def mlps(self) -> list[tuple[str, SiluMLP]]:
+        """(kind, MLP) of each expert, routed then shared: their projections' kinds in reports."""
+        shared = [("shared_expert", self.shared_expert)] if self.shared_expert is not None else []
+        return [("expert", m) for m in self.experts] + shared

@@ -1,0 +1,65 @@
+"""A mixture of experts in the planner (planner/moe.py): the weights a step reads grow with the
+batch as E·(1 − (1 − k/E)^B) experts per layer, compute follows the active parameters, and the
+critical batch, step time and cost move with them; the presets count as the released models.
+The engine's own counter against the formula: tests/model/test_moe.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.planner import CHIP_PRESETS, MODEL_PRESETS, PlanInputs, make_plan
+from kvserve.planner.moe import ExpertShape, expert_shape
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("qwen3-30b-a3b", 30.5e9, 3.35e9), ("olmoe-1b-7b", 6.92e9, 1.28e9), ("mixtral-8x7b", 46.7e9, 12.9e9),
+])  # fmt: skip
+def test_presets_count_as_the_released_models(name, total, active):
+    shape = expert_shape(MODEL_PRESETS[name].arch)
+    assert shape.num_params == pytest.approx(total, rel=0.01)
+    assert shape.active_params == pytest.approx(active, rel=0.01)
+
+
+def test_experts_touched_from_k_to_e_and_its_bound():
+    s = ExpertShape(num_params=1e9, num_sparse_layers=2, num_experts=64, top_k=8, expert_params=1e6)
+    assert s.experts_touched(1) == pytest.approx(8)
+    assert s.experts_touched(2) == pytest.approx(64 * (1 - (56 / 64) ** 2))
+    assert s.experts_touched(10_000) == pytest.approx(64)
+    assert s.experts_touched(3, bound=True) == 24 and s.experts_touched(100, bound=True) == 64
+    assert s.params_read(1) == pytest.approx(1e9 - 2 * 64 * 1e6 + 2 * 8 * 1e6)
+    assert s.params_read(10_000) == pytest.approx(1e9)
+
+
+def test_critical_batch_balances_compute_and_the_read():
+    s = expert_shape(MODEL_PRESETS["qwen3-30b-a3b"].arch)
+    C, beta, pw = 989e12, 3.35e12, 2.0
+    b = s.critical_batch(C, beta, pw)
+    assert 2 * s.active_params * b / C == pytest.approx(s.params_read(b) * pw / beta, rel=1e-6)
+    dense = C * pw / (2 * beta)
+    assert b > dense  # the read grows with the batch, so compute overtakes it later
+
+
+def test_a_plan_of_a_mixture_reads_the_experts_its_batch_touches(capsys):
+    """`kvserve plan run` on Qwen3-30B-A3B at batch 1 and 64: the step's weight read and the
+    batch-1 figures, against the same total parameters read whole (a dense model's)."""
+    moe = MODEL_PRESETS["qwen3-30b-a3b"]
+    shape = expert_shape(moe.arch)
+    for batch in (1, 64):
+        plan = make_plan(PlanInputs(moe, CHIP_PRESETS["h100"], batch=batch))
+        read = plan["moe_weight_bytes_read_per_step"]
+        assert read == pytest.approx(shape.params_read(batch) * 2)
+        assert plan["moe_experts_touched"] == pytest.approx(shape.experts_touched(batch))
+        step = plan.derived.decode_step  # the §4 step time reads that much, and computes the active parameters
+        assert step.weight_read_s == pytest.approx(read / CHIP_PRESETS["h100"].hbm_bytes_per_s)
+        assert step.projection_compute_s == pytest.approx(2 * shape.active_params * batch / CHIP_PRESETS["h100"].peak_flops_per_s)
+    dense = dataclasses.replace(moe, arch=dataclasses.replace(moe.arch, num_experts=0))
+    assert "moe_experts_touched" not in json.dumps(make_plan(PlanInputs(dense, CHIP_PRESETS["h100"], batch=1)).as_json())
+    b1 = make_plan(PlanInputs(moe, CHIP_PRESETS["h100"], batch=1))
+    assert b1["moe_batch1_weight_bytes_read"] < 0.25 * moe.num_params * 2  # ~3.3B of 30.5B parameters
+    assert main(["plan", "run", "--model", "qwen3-30b-a3b", "--chip", "h100", "--batch", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "moe_critical_batch" in json.dumps(out)
