@@ -47,14 +47,16 @@ def ideal_kv_capacity_bytes(num_chips: int, hbm_bytes: float, reserved_bytes_per
 
 def max_batch_meeting_target(
     placement: Placement, limit: int, step_target_s: float, peak_flops_per_s: float, hbm_bytes_per_s: float, exchange_s: float = 0.0,
+    experts=None,
 ) -> int:
     """Largest integer B ≤ `limit` with t_step(B) ≤ target; 0 if even B=1 misses it.
 
     t_step is non-decreasing in B, so a bisection finds the boundary; every candidate's
-    KV read is recomputed at its own B (the seed's warning not to reuse an old batch's).
+    KV read is recomputed at its own B (the seed's warning not to reuse an old batch's), and a
+    mixture of experts' weight read too (`experts`, planner/moe.py: it grows with B).
     """
     def meets(batch: int) -> bool:
-        return step_time(placement, batch, peak_flops_per_s, hbm_bytes_per_s, exchange_s).total_s <= step_target_s
+        return step_time(placement, batch, peak_flops_per_s, hbm_bytes_per_s, exchange_s, experts).total_s <= step_target_s
 
     low, high = 0, limit  # invariant: meets(low) or low == 0; the answer is in [low, high]
     while low < high:

@@ -89,7 +89,7 @@ class Derived:
         i, layout = self.inputs, layout or self.inputs.kv_layout
         return capacity.max_batch_meeting_target(
             self.placement(layout), self.capacity_batch(layout), i.step_target_s,
-            i.chip.peak_flops_per_s, i.chip.hbm_bytes_per_s, self.exchange_s(layout),
+            i.chip.peak_flops_per_s, i.chip.hbm_bytes_per_s, self.exchange_s(layout), self.experts,
         )
 
     def step(

@@ -162,6 +162,8 @@ def weight_share(arch: ModelArchitecture, num_chips: int, storage: WeightStorage
     """Rank `rank`'s weights (default 0, the busiest: the most vocabulary rows) on `num_chips`
     tensor-parallel chips. ShareUnknown where the engine would refuse the split."""
     a = arch
+    if a.num_experts:  # its experts, routers and dense layers are not split here (W/N stands in)
+        raise ShareUnknown("a mixture of experts' per-chip split is not counted exactly (W/N stands in)")
     shape = (a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size,
              a.tie_word_embeddings, a.attention_bias, storage)  # fmt: skip
     slices = rank_slices(a.num_heads, a.num_kv_heads, a.intermediate_size, a.vocab_size, rank, num_chips)

@@ -63,3 +63,22 @@ def test_a_plan_of_a_mixture_reads_the_experts_its_batch_touches(capsys):
     assert main(["plan", "run", "--model", "qwen3-30b-a3b", "--chip", "h100", "--batch", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "moe_critical_batch" in json.dumps(out)
+
+
+def test_under_a_step_target_the_mixture_batches_more_and_costs_less_than_its_dense_equal():
+    """§6 and §8 for Qwen3-30B-A3B beside a dense model of the same 30.5B parameters (one H100,
+    S = 4096): at a 20 ms step target the mixture's smaller read admits more requests, so each
+    token costs less; at 10 ms the dense one meets the target with no batch at all."""
+    moe = MODEL_PRESETS["qwen3-30b-a3b"]
+    dense = dataclasses.replace(moe, arch=dataclasses.replace(moe.arch, num_experts=0, intermediate_size=98304))
+
+    def plan(model, target_ms):
+        return make_plan(PlanInputs(model, CHIP_PRESETS["h100"], history_positions=4096, step_target_s=target_ms / 1e3))
+
+    m20, d20 = plan(moe, 20), plan(dense, 20)
+    assert m20["max_batch_meeting_target"] > 2 * d20["max_batch_meeting_target"] > 0
+    assert m20["cost_per_token_usd"] < 0.5 * d20["cost_per_token_usd"]
+    assert plan(dense, 10)["max_batch_meeting_target"] == 0 < plan(moe, 10)["max_batch_meeting_target"]
+    # the step at the mixture's batch meets the target, one request more does not
+    b = m20["max_batch_meeting_target"]
+    assert m20.derived.step(b).total_s <= 0.020 < m20.derived.step(b + 1).total_s
