@@ -94,6 +94,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         weights, chosen = self.route(x)
+        if tokens == 1:  # batch-1 decode: the k experts in index order, the same sums as below without the sort
+            return self._one_token(x, weights, chosen)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert, tokens in order
         rows_of = order // self.top_k
@@ -109,11 +111,26 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, y.float() * w.unsqueeze(1))
             touched += 1
             read += self.expert_bytes(e)
+        self._count(touched, read)
+        return self._add_shared(x, out)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(1, x.shape[1], dtype=torch.float32)
+        read = 0
+        for e, w in sorted(zip(chosen[0].tolist(), weights[0].tolist())):
+            out += self.experts[e](x).float() * w
+            read += self.expert_bytes(e)
+        self._count(len(chosen[0]), read)
+        return self._add_shared(x, out)
+
+    def _count(self, touched: int, read: int) -> None:
         counts = self.counts
         counts.experts_touched += touched
         counts.expert_weight_bytes += read
         counts.layer_passes += 1
         counts.all_experts_bytes += self.all_bytes
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
             gate = torch.sigmoid(torch.nn.functional.linear(x.float(), self.shared_expert_gate))
             out += gate * self.shared_expert(x).float()

@@ -79,6 +79,12 @@ class StepTimeModel:
     # each layer's sliding window (None: global); the pool holds windowed layers to their
     # window (engine/kv_groups.py) as the engine does. Empty: every layer global
     layer_windows: tuple[int | None, ...] = ()
+    # a mixture of experts (planner/moe.py): E experts, k chosen per token, and the share of the
+    # weight read that is routed experts; a step of T tokens then reads
+    # weight_read·(1 − share + share·E_touched(T)/E). 0: a dense model
+    moe_num_experts: int = 0
+    moe_top_k: int = 0
+    moe_routed_share: float = 0.0
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,13 +105,22 @@ class StepTimeModel:
         s = shape
         return {
             "fixed": self.fixed + self.per_chunked_step * (s.prefill_rows > 0) + self.per_row * s.rows,
-            "projections": max(self.weight_read, self.per_decode_row * s.decode_rows + self.per_prefill_token * s.prefill_tokens
+            "projections": max(self.weight_read * self.read_fraction(s.decode_rows + s.prefill_tokens),
+                               self.per_decode_row * s.decode_rows + self.per_prefill_token * s.prefill_tokens
                                + self.per_mixed_prefill_token * s.mixed_prefill_tokens),
             "attention": self.per_decode_kv * s.decode_kv_positions + self.per_prefill_kv * s.prefill_kv_positions
             + self.per_pair * s.prefill_pairs,
             "lm_head": self.per_sample * s.sample_rows,
             "serving": self.per_arrival * s.arrivals,
         }
+
+    def read_fraction(self, tokens: int) -> float:
+        """The share of the weights a step of `tokens` reads: 1, or a mixture of experts' attention
+        and shared weights plus the E·(1 − (1 − k/E)^T) experts per layer its tokens touch."""
+        if not self.moe_num_experts or tokens <= 0:
+            return 1.0
+        e, k = self.moe_num_experts, self.moe_top_k
+        return 1 - self.moe_routed_share + self.moe_routed_share * (1 - (1 - k / e) ** tokens)
 
     def step_s(self, shape: StepShape) -> float:
         return sum(self.groups(shape).values())
@@ -229,13 +244,19 @@ def from_datasheet(model, chip, bytes_per_weight: float, kv_bytes_per_position: 
     its step time on one chip for one decode row reading one KV position gives the projections'
     compute per row, the weight read and the KV read per position; its prefill time of one
     position, the cost per prompt position."""
-    from kvserve.planner import latency, layout, roofline
+    from kvserve.planner import latency, layout, moe, roofline
 
     p, c, beta, a = model.num_params, chip.peak_flops_per_s, chip.hbm_bytes_per_s, model.arch
-    one = roofline.step_time(layout.place("heads", 1, p, bytes_per_weight, a.num_kv_heads, kv_bytes_per_position), 1, c, beta)
+    placement = layout.place("heads", 1, p, bytes_per_weight, a.num_kv_heads, kv_bytes_per_position)
+    one = roofline.step_time(placement, 1, c, beta)
+    experts = moe.expert_shape(a, p)  # a mixture: compute by the active parameters, the read by the tokens' experts
+    active = p if experts is None else experts.active_params
     return StepTimeModel(
-        per_decode_row=one.projection_compute_s, per_prefill_token=latency.prefill_time_s(p, 1, 1, c, utilisation),
+        per_decode_row=roofline.step_time(placement, 1, c, beta, experts=experts).projection_compute_s,
+        per_prefill_token=latency.prefill_time_s(active, 1, 1, c, utilisation),
         per_decode_kv=one.kv_read_s, weight_read=one.weight_read_s, source="datasheet",
+        moe_num_experts=a.num_experts, moe_top_k=a.num_experts_per_tok,
+        moe_routed_share=0.0 if experts is None else experts.routed_params / experts.num_params,
         label=f"datasheet: {chip.name} (β {beta / 1e9:.4g} GB/s, C {c / 1e12:.4g} TFLOP/s, η {utilisation:g}), "
               "the planner's roofline; not measured",
         model_name=model.name, num_layers=a.num_layers, d_model=a.hidden_size, num_kv_heads=a.num_kv_heads,

@@ -82,3 +82,18 @@ def test_under_a_step_target_the_mixture_batches_more_and_costs_less_than_its_de
     # the step at the mixture's batch meets the target, one request more does not
     b = m20["max_batch_meeting_target"]
     assert m20.derived.step(b).total_s <= 0.020 < m20.derived.step(b + 1).total_s
+
+
+def test_the_simulators_datasheet_step_reads_as_the_planners():
+    """The simulator's datasheet step model of Qwen3-30B-A3B: a decode step of B rows takes the
+    planner's staged projection time at B (the experts its batch touches), and serialises."""
+    from kvserve.engine.step_shape import StepShape
+    from kvserve.sim.step_model import StepTimeModel, from_datasheet
+
+    inputs = PlanInputs(MODEL_PRESETS["qwen3-30b-a3b"], CHIP_PRESETS["h100"], history_positions=4096)
+    plan = make_plan(inputs)
+    sim = from_datasheet(inputs.model, inputs.chip, inputs.bytes_per_weight, plan.derived.kv_bytes_per_position, inputs.utilisation)
+    for batch in (1, 16, 64):
+        planned = plan.derived.step(batch)
+        assert sim.groups(StepShape(decode_rows=batch))["projections"] == pytest.approx(planned.projection_s, rel=1e-9)
+    assert StepTimeModel.from_dict(sim.as_dict()) == sim
