@@ -42,8 +42,8 @@ def print_latency(results: dict[str, Any], console: Console | None = None) -> No
     if "experts" in d:
         e = d["experts"]
         console.print(f"mixture of experts: {e['experts_per_layer']:.1f} experts run per sparse layer per decode step, "
-                      f"{e['expert_bytes_per_step'] / 1e6:.0f} MB of expert weights read per step "
-                      f"(every expert: {e['all_experts_bytes_per_step'] / 1e6:.0f} MB; the step reads "
+                      f"{e['expert_bytes_per_step'] / 1e6:.1f} MB of expert weights read per step "
+                      f"(every expert: {e['all_experts_bytes_per_step'] / 1e6:.1f} MB; the step reads "
                       f"{d['bytes_per_step'] / 1e6:.0f} MB where a dense model of the same weights reads "
                       f"{e['dense_equivalent_bytes_per_step'] / 1e6:.0f} MB)")
     if "comm_ms_per_step" in d:

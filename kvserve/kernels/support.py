@@ -295,16 +295,18 @@ class KernelSupport:
         amx = self.amx_linear.enabled and on_grid
         interleaved = amx and silu_mul and self.silu_epilogue.enabled
         argmax_rows = min(AMX_MAX_ROWS, self.amx_argmax_max_rows) if amx and argmax and self.argmax_epilogue.enabled else 0
-        vnni = on_grid and self.prepack_weights and (not self.amx or self.deterministic)
+        # the GEMV reads a VNNI-tile copy, streamed in order: the row-major GEMV read ~22 GB/s
+        # where the tiles read ~39 on a Zen 4, and an AMX Xeon's batch-1 decode of the default
+        # model's BF16 file ran 34-49 tok/s on the row-major weight against 68 on the tiles
+        tiles = on_grid and self.prepack_weights
+        vnni = tiles and (not self.amx or self.deterministic)
         return ProjectionPlan(
             gemv_max_rows=self.gemv_max_rows,
-            # without AMX the GEMV reads a VNNI-tile copy, streamed in order (the row-major GEMV
-            # read ~22 GB/s where the tiles read ~39 on a Zen 4); AMX machines' GEMV keeps the
-            # row-major weight, as it has not been measured there on the tiles
-            gemv_vnni=vnni,
+            gemv_vnni=tiles,
             amx_max_rows=AMX_MAX_ROWS if amx else 0,
             # without AMX the tiles also serve prefill (gemm_vnni, on a par with oneDNN's own
-            # layout), so the weight is held once; oneDNN only for projections off their grid
+            # layout), so the weight is held once; oneDNN only for projections off their grid,
+            # and past the AMX kernel's rows on AMX machines
             onednn=self.onednn_linear.enabled and not vnni,
             gemv_all_rows=vnni,
             silu_interleaved=interleaved,

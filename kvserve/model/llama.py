@@ -378,18 +378,25 @@ class LlamaForCausalLM(nn.Module):
         kinds["lm_head"] = [self.lm_head]
         return {kind: lins for kind, lins in kinds.items() if lins}
 
-    def weight_bytes(self, exclude: tuple[nn.Module, ...] = ()) -> int:
+    def weight_bytes(self, exclude: tuple[nn.Module, ...] = (), decode: bool = False) -> int:
         """Bytes of every weight as held (each packed copy once; a tied table once), leaving
-        out the modules in `exclude`."""
+        out the modules in `exclude` (and everything inside them). `decode`: of each bf16
+        projection only the copy a decode step's GEMV reads (its VNNI tiles, else the
+        row-major weight), not the copies kept for larger row counts."""
         skipped = {id(p) for m in exclude for p in m.parameters()}
+        left_out = {id(sub) for m in exclude for sub in m.modules()}
         tensors = [p for p in self.parameters() if id(p) not in skipped]
         tables = {id(b) for r in (self.rotary, self.local_rotary) if r is not None for b in r.buffers()}
         tensors += [b for b in self.buffers() if id(b) not in tables]
         for lin in self.projections():
-            if any(lin is m for m in exclude):
+            if id(lin) in left_out:
                 continue
             if lin.kernel is not None and hasattr(lin.kernel, "gemv"):
-                tensors += [t for t in (lin.kernel.weight, lin.kernel.gemv, lin.kernel.amx, lin.kernel.onednn) if t is not None]
+                k = lin.kernel
+                copies = ((k.gemv if k.gemv is not None else k.weight),) if decode else (k.weight, k.gemv, k.amx, k.onednn)
+                if decode and k.gemv is not None and lin.weight is not None:
+                    tensors = [t for t in tensors if t is not lin.weight]  # the row-major copy the GEMV does not read
+                tensors += [t for t in copies if t is not None]
             if lin.qweight is not None:
                 tensors += [t for seg in lin.qweight.segments for t in seg.tensors]
         # one count per storage (a tied table is held once); an opaque oneDNN copy has no data pointer
@@ -409,12 +416,13 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_weight_bytes(self, routed_experts: bool = True) -> int:
         """Bytes of the weights a decode step reads in full: all but an untied embedding table
-        (one row of it is read). A quantized format counts its codes, scales and minima.
+        (one row of it is read), each projection in the copy its GEMV reads. A quantized format
+        counts its codes, scales and minima.
         `routed_experts=False`: without a mixture of experts' routed experts, of which a step
         reads only those chosen (ExpertCounts says which: model/moe.py)."""
         untied = () if self.embed_tokens is self.lm_head else (self.embed_tokens,)
         experts = () if routed_experts else tuple(moe.experts for moe in self.sparse_layers())
-        return self.weight_bytes(exclude=untied + experts)
+        return self.weight_bytes(exclude=untied + experts, decode=True)
 
     def sparse_layers(self) -> list[SparseMoE]:
         """The routed-expert FFNs of a mixture of experts' sparse layers (none for a dense model)."""

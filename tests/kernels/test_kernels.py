@@ -347,7 +347,7 @@ def test_linear_matches_f_linear_at_every_row_count(prepack, with_bias):
 
 def test_linear_without_amx_holds_only_the_vnni_tiles_for_every_row_count():
     if ops.amx_available():
-        pytest.skip("this CPU has AMX: its GEMV reads the row-major weight")
+        pytest.skip("this CPU has AMX: its tiles serve the GEMV and the AMX kernel (test_linear_on_amx_...)")
     w = torch.randn(64, 96).bfloat16()
     lin = _linear(w)
     p = lin.kernel
@@ -394,13 +394,20 @@ def test_linear_without_amx_gives_a_row_the_same_bits_at_every_row_count():
 
 
 @needs_amx
-def test_linear_on_amx_keeps_row_major_for_the_gemv_and_tiles_up_to_1024_rows():
+def test_linear_on_amx_reads_one_tile_copy_for_the_gemv_and_tiles_up_to_1024_rows():
+    """On AMX the GEMV streams the VNNI tiles, which are the AMX kernel's layout: one copy for
+    both (up to 1024 rows), oneDNN's past them, and no row-major weight where oneDNN is there."""
     from kvserve.kernels.support import AMX_MAX_ROWS
 
     w = torch.randn(64, 96).bfloat16()
     lin = _linear(w)
     p = lin.kernel
-    assert p.weight is not None and p.amx is not None and p.gemv is None and p.amx_max_rows == AMX_MAX_ROWS
+    assert p.gemv is not None and p.amx is not None and p.gemv.data_ptr() == p.amx.data_ptr()
+    assert p.amx_max_rows == AMX_MAX_ROWS and not p.gemv_all_rows
+    if p.onednn is not None:
+        assert lin.weight is None and p.weight is None
+    x = torch.randn(8, 96).bfloat16()
+    assert torch.equal(lin(x), ops.gemv_vnni(x, p.gemv))
     x = torch.randn(AMX_MAX_ROWS, 96).bfloat16()
     assert torch.equal(lin(x), ops.amx_linear(x, p.amx))
 

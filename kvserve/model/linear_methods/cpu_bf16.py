@@ -5,8 +5,8 @@ them once after loading and hands them to the C++ `linear` as one `ops.Projectio
 dispatches by row count. Python and the fused decode step call that same `linear`, so they
 can never choose differently. The layouts:
 - the GEMV (1-8 rows, decode of a few requests) streams the weights once near memory
-  bandwidth: on the VNNI-tile copy (`amx_pack_weight`'s layout, a plain permute) on CPUs
-  without AMX, on the row-major weight on AMX machines;
+  bandwidth, on the VNNI-tile copy (`amx_pack_weight`'s layout, a plain permute), which on
+  AMX machines is the AMX kernel's copy too (but for an interleaved [gate; up]);
 - AMX tiles (9-1024 rows: batched decode, mixed steps), where oneDNN waits on memory far
   more than it computes; for [gate; up] the tiles interleave gate and up 16-row blocks so the
   kernel applies silu(gate)·up as it writes (no [T, 2I] product written and read back; 30
@@ -44,8 +44,9 @@ class CpuBf16LinearMethod(LinearMethod):
         w = layer.weight.detach()
         gemv = ops.amx_pack_weight(w) if plan.gemv_vnni else None
         amx = None
-        if plan.amx_max_rows:
-            amx = ops.amx_pack_weight(layouts.interleave_gate_up(w) if plan.silu_interleaved else w)
+        if plan.amx_max_rows:  # the GEMV's tiles are the AMX kernel's layout: one copy unless gate/up interleave
+            amx = gemv if gemv is not None and not plan.silu_interleaved else ops.amx_pack_weight(
+                layouts.interleave_gate_up(w) if plan.silu_interleaved else w)
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_HINT_ROWS) if plan.onednn else None
         if not plan.keep_row_major:
             layer.weight = None  # the packed copies serve every row count
