@@ -50,8 +50,10 @@ def best_of(*measurements: MachineLimits) -> MachineLimits:
 
 
 def layer_params(arch: ModelArchitecture) -> int:
-    """Parameters of the decoder layers: every one multiplies each token's activations."""
-    return arch.decoder_layer_params
+    """Parameters of the decoder layers that multiply each token's activations: all of them,
+    or of a mixture of experts' routed experts only the k each token runs (P_active's share)."""
+    routed = arch.routed_expert_params
+    return arch.decoder_layer_params - routed + routed * arch.num_experts_per_tok // max(arch.num_experts, 1)
 
 
 def total_params(arch: ModelArchitecture) -> int:

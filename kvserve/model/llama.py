@@ -1,4 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a flat batch of tokens from many requests.
+"""The one decoder every family runs (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the mixtures of
+experts Mixtral, Qwen2/3-MoE, OLMoE: their sparse layers' FFN is model/moe.py's) over a flat
+batch of tokens from many requests.
 
 `forward(input_ids[T], positions[T], meta)` runs every layer for all T new positions of
 the step, reading and appending the paged KV cache; `compute_logits` projects only the

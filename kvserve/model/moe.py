@@ -10,7 +10,9 @@ level the engine runs. Each row's contribution, times its routing weight, is add
 sum in expert order, so a row's result depends neither on which other tokens share its experts
 (the quantized kernels' rows are batch-invariant) nor on the order of the batch. A shared
 expert (Qwen2-MoE) runs on every token, gated by sigmoid(x·g), and joins the sum last, as in
-transformers.
+transformers. A batch-1 step (one token) skips the sort, and where the experts are quantized
+runs its k experts' [gate; up] as one quant_linear call over their stacked segments (the same
+bits as k calls: each output row is one weight row's dot with the same quantized x).
 
 `ExpertCounts` tallies what the steps read: experts touched per sparse layer and their weight
 bytes (as held: a quantized expert's codes, scales and minima), for the metrics and the benches.
@@ -26,6 +28,7 @@ from torch import nn
 from kvserve.arch import ModelArchitecture
 from kvserve.kernels.support import KernelSupport
 from kvserve.model.layers import SiluMLP
+from kvserve.model.linear_methods.cpu_quant import CpuQuantLinearMethod
 
 
 @dataclasses.dataclass
@@ -115,13 +118,33 @@ class SparseMoE(nn.Module):
         return self._add_shared(x, out)
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        pairs = sorted(zip(chosen[0].tolist(), weights[0].tolist()))
+        hidden = self._gate_up_at_once([e for e, _ in pairs], x)
         out = torch.zeros(1, x.shape[1], dtype=torch.float32)
         read = 0
-        for e, w in sorted(zip(chosen[0].tolist(), weights[0].tolist())):
-            out += self.experts[e](x).float() * w
+        for j, (e, w) in enumerate(pairs):
+            mlp = self.experts[e]
+            y = mlp(x) if hidden is None else mlp.down(hidden[j : j + 1])
+            out += y.float() * w
             read += self.expert_bytes(e)
-        self._count(len(chosen[0]), read)
+        self._count(len(pairs), read)
         return self._add_shared(x, out)
+
+    def _gate_up_at_once(self, experts: list[int], x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate)·up [k, F] of one token's k experts in one quant_linear call over their
+        segments stacked (each output row is its own weight row's dot with the same quantized
+        x, so the bits are each expert's own call's); None where their [gate; up] are not on
+        the quantized kernels (then each expert runs whole)."""
+        lins = [self.experts[e].gate_up for e in experts]
+        if not all(isinstance(lin.method, CpuQuantLinearMethod) and lin.method.segments for lin in lins):
+            return None
+        method = lins[0].method
+        stacked = method.ops.Projection(quant=[s for lin in lins for s in lin.method.segments], float_out=False, bias=None)
+        gate_up = method.ops.linear(x, stacked).view(len(lins), -1)
+        if method.silu_ops is not None:
+            return method.silu_ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
 
     def _count(self, touched: int, read: int) -> None:
         counts = self.counts
