@@ -257,3 +257,21 @@ def test_the_metrics_count_the_experts_a_served_request_ran(model_dirs, tmp_path
     per_expert = 3 * 64 * 32 * 4  # gate, up and down of 64 x 32, fp32
     assert moved("moe_expert_weight_bytes_read") == touched * per_expert
     assert moved("moe_expert_weight_bytes_dense_equivalent") == passes * 8 * per_expert
+
+
+def test_mixtral_experts_quantize_at_load_and_hold_deterministic(tmp_path):
+    """Mixtral's w1/w3/w2 are renamed as they are read, so `--quantization int8` quantizes every
+    expert; under `--deterministic` a batch's tokens equal each request's alone (head_dim 32,
+    the decode attention kernel's)."""
+    from kvserve.kernels import cpu_ops, unavailable_reason
+
+    if cpu_ops() is None:
+        pytest.skip(f"the CPU kernels are unavailable: {unavailable_reason()}")
+    path = str(make_tiny_model(tmp_path / "mixtral-hd32", **{**MOE_VARIANTS["mixtral"], "hidden_size": 128}))
+    llm = LLM(path, dtype="bfloat16", quantization="int8", kv_cache_memory="8MiB", deterministic=True)
+    moe = _moe_layer(llm.engine)
+    assert all(m.gate_up.qweight is not None and m.down.qweight is not None for m in moe.experts)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(10, 30)), list(range(40, 47)), list(range(60, 73))]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert together == [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
