@@ -296,8 +296,8 @@ class KernelSupport:
         interleaved = amx and silu_mul and self.silu_epilogue.enabled
         argmax_rows = min(AMX_MAX_ROWS, self.amx_argmax_max_rows) if amx and argmax and self.argmax_epilogue.enabled else 0
         # the GEMV reads a VNNI-tile copy, streamed in order: the row-major GEMV read ~22 GB/s
-        # where the tiles read ~39 on a Zen 4, and an AMX Xeon's batch-1 decode of the default
-        # model's BF16 file ran 34-49 tok/s on the row-major weight against 68 on the tiles
+        # where the tiles read ~39 on a Zen 4, and on an AMX Xeon the default model's BF16
+        # decode at amx ran 48-51 tok/s on the row-major weight, 64-70 on the tiles (BENCHMARKS)
         tiles = on_grid and self.prepack_weights
         vnni = tiles and (not self.amx or self.deterministic)
         return ProjectionPlan(
