@@ -124,8 +124,10 @@ def read_weights(
         except NotImplementedError as exc:
             raise UnsupportedModelError(f"unsupported GGUF tensor type {type_name} (tensor {tensor.name!r})") from exc
         array = np.asarray(array, dtype=np.float32).reshape(shape)
-        # RoPE frequency factors stay fp32: they scale angles, not activations
-        value = torch.from_numpy(array).to(torch.float32 if name.startswith("rope_") else dtype)
+        # RoPE frequency factors stay fp32: they scale angles, not activations; so do a mixture
+        # of experts' routers (llama.cpp keeps them F32): their top k is chosen in fp32
+        keep = name.startswith("rope_") or name.endswith((".mlp.gate.weight", "shared_expert_gate.weight"))
+        value = torch.from_numpy(array).to(torch.float32 if keep else dtype)
         weights[name] = transform(name, value) if transform else value
         del array, value
         release_free_memory()

@@ -73,18 +73,21 @@ class SparseMoE(nn.Module):
             self.shared_expert = SiluMLP(*(w.pop(f"{prefix}.shared_expert.{p}_proj.weight") for p in ("gate", "up", "down")), kernels)
             gate = w.pop(f"{prefix}.shared_expert_gate.weight").float().reshape(1, -1)
             self.shared_expert_gate = nn.Parameter(gate, requires_grad=False)
-        self._expert_bytes: list[int] | None = None
+        self._expert_bytes: list[int] | None = None  # each expert's, once its weights are processed
+        self._all_bytes = 0
 
     def expert_bytes(self, e: int) -> int:
         """Bytes of expert e's weights as loaded (its format's codes, scales and minima)."""
-        if self._expert_bytes is None:
+        if self._expert_bytes is None:  # counted once, after the weights are in their format
             self._expert_bytes = [_mlp_bytes(m) for m in self.experts]
+            self._all_bytes = sum(self._expert_bytes)
         return self._expert_bytes[e]
 
     @property
     def all_bytes(self) -> int:
         """Bytes of every routed expert of this layer."""
-        return sum(self.expert_bytes(e) for e in range(self.num_experts))
+        self.expert_bytes(0)
+        return self._all_bytes
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, experts [T, k]) of each token: softmax over all experts in fp32, the top k."""
