@@ -201,6 +201,12 @@ class ModelArchitecture:
             return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
         return self.sliding_window
 
+    @property
+    def qk_norm_per_head(self) -> bool:
+        """Q and K RMSNormed head by head (Qwen3, Gemma 3): the rms_norm kernel's rows of H;
+        OLMoE's norms over the whole projection are not."""
+        return self.qk_norm and not self.qk_norm_whole
+
     def layer_is_sparse(self, index: int) -> bool:
         """Layer `index`'s FFN is routed experts (a mixture-of-experts model's sparse layer)."""
         return self.num_experts > 0 and index not in self.dense_layers

@@ -157,16 +157,14 @@ def run_latency(
     kv_bytes, kv_scale_bytes = (1, KV_INT8_SCALE_BYTES) if layout.quantized else (element_bytes, 0)
 
     mean_context = decode_context_start(settings) + (settings.decode_steps - 1) / 2
-    bytes_per_step = roofline.decode_bytes_per_step(
-        arch, element_bytes, kv_bytes, mean_context, kv_scale_bytes, weights_read=engine.model.decode_weight_bytes()
-    )
+    weights_read = engine.model.decode_weight_bytes()
+    bytes_per_step = roofline.decode_bytes_per_step(arch, element_bytes, kv_bytes, mean_context, kv_scale_bytes, weights_read=weights_read)
 
     limits_before = measure_limits(int(bytes_per_step))
     decode = measure_decode(engine, settings, rng)
     if "experts" in decode:  # a mixture of experts: the routed experts this step read, not all of them
         experts = decode["experts"]
-        bytes_per_step += experts["expert_bytes_per_step"] - (
-            engine.model.decode_weight_bytes() - engine.model.decode_weight_bytes(routed_experts=False))
+        bytes_per_step += experts["expert_bytes_per_step"] - (weights_read - engine.model.decode_weight_bytes(routed_experts=False))
         experts["dense_equivalent_bytes_per_step"] = bytes_per_step - experts["expert_bytes_per_step"] + experts["all_experts_bytes_per_step"]
     decode["bytes_per_step"] = bytes_per_step
 

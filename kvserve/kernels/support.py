@@ -195,7 +195,7 @@ class KernelSupport:
         qk_norm = verdict(
             [family("norm_rope_act"), multiple(hd, lim["rms_norm_width_multiple"], "head_dim")],
             "rms_norm over each q and k head, before RoPE",
-        ) if arch.qk_norm and not arch.qk_norm_whole else KernelChoice.off(
+        ) if arch.qk_norm_per_head else KernelChoice.off(
             "q/k norms over the whole projection (torch, fp32 statistics)" if arch.qk_norm_whole
             else "no per-head q/k norm in this architecture")  # fmt: skip
         # the MLP's activation (SiLU, or Gemma's gelu_tanh: gelu_tanh_and_mul) times up, in one pass
@@ -239,7 +239,7 @@ class KernelSupport:
             + [None if c.enabled else f"{name} is off"
                for name, c in (("decode attention", decode_attention), ("rms_norm", rms_norm),
                                ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))]
-            + [None if qk_norm.enabled or not arch.qk_norm or arch.qk_norm_whole else "q/k norm is off",
+            + [None if qk_norm.enabled or not arch.qk_norm_per_head else "q/k norm is off",
                None if arch.fused_layer_refusal is None else f"the step does not run {arch.fused_layer_refusal}"],
             "all layers of a decode batch in one C++ call",
         )

@@ -387,17 +387,16 @@ class LlamaForCausalLM(nn.Module):
         row-major weight), not the copies kept for larger row counts."""
         skipped = {id(p) for m in exclude for p in m.parameters()}
         left_out = {id(sub) for m in exclude for sub in m.modules()}
+        lins = [lin for lin in self.projections() if id(lin) not in left_out]
+        if decode:  # the row-major copies a GEMV on its tiles does not read
+            skipped |= {id(lin.weight) for lin in lins if lin.weight is not None and getattr(lin.kernel, "gemv", None) is not None}
         tensors = [p for p in self.parameters() if id(p) not in skipped]
         tables = {id(b) for r in (self.rotary, self.local_rotary) if r is not None for b in r.buffers()}
         tensors += [b for b in self.buffers() if id(b) not in tables]
-        for lin in self.projections():
-            if id(lin) in left_out:
-                continue
+        for lin in lins:
             if lin.kernel is not None and hasattr(lin.kernel, "gemv"):
                 k = lin.kernel
                 copies = ((k.gemv if k.gemv is not None else k.weight),) if decode else (k.weight, k.gemv, k.amx, k.onednn)
-                if decode and k.gemv is not None and lin.weight is not None:
-                    tensors = [t for t in tensors if t is not lin.weight]  # the row-major copy the GEMV does not read
                 tensors += [t for t in copies if t is not None]
             if lin.qweight is not None:
                 tensors += [t for seg in lin.qweight.segments for t in seg.tensors]
