@@ -118,6 +118,22 @@ def stats(ctx: ServingContext) -> dict:
         "requests_finished": finished,
         "latency": {key: _histogram(samples, buckets, name) for key, name in _HISTOGRAMS.items()},
         "kernels": _kernels(ctx),
+        "experts": _experts(samples),
+    }
+
+
+def _experts(samples: dict) -> dict | None:
+    """A mixture of experts' routed-expert counters (model/moe.py ExpertCounts), with the
+    experts run per sparse layer pass; None for a dense model."""
+    if "moe_layer_passes_total" not in samples:
+        return None
+    passes, touched = int(samples["moe_layer_passes_total"]), int(samples["moe_experts_touched_total"])
+    return {
+        "layer_passes": passes,
+        "experts_touched": touched,
+        "experts_per_layer": touched / passes if passes else None,
+        "weight_bytes_read": int(samples["moe_expert_weight_bytes_read_total"]),
+        "weight_bytes_dense_equivalent": int(samples["moe_expert_weight_bytes_dense_equivalent_total"]),
     }
 
 

@@ -244,8 +244,17 @@ def test_the_metrics_count_the_experts_a_served_request_ran(model_dirs, tmp_path
         r = httpx.post(f"{proc.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
         assert r.status_code == 200
         after = metrics(proc.url)
+        stats = httpx.get(f"{proc.url}/v1/engine/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()
     finally:
         proc.terminate()
+
+    # /v1/engine/stats carries the same totals (a dense model's "experts" is null)
+    experts = stats["experts"]
+    assert experts["layer_passes"] == after["kvserve:moe_layer_passes_total"]
+    assert experts["experts_touched"] == after["kvserve:moe_experts_touched_total"]
+    assert experts["experts_per_layer"] == experts["experts_touched"] / experts["layer_passes"]
+    assert experts["weight_bytes_read"] == after["kvserve:moe_expert_weight_bytes_read_total"]
+    assert experts["weight_bytes_dense_equivalent"] == after["kvserve:moe_expert_weight_bytes_dense_equivalent_total"]
 
     def moved(name: str) -> float:
         return after[f"kvserve:{name}_total"] - before[f"kvserve:{name}_total"]

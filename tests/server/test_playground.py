@@ -52,6 +52,7 @@ def test_data_routes_need_the_key(server, http):
     if kernels["level"] is not None:
         assert kernels["level"] in LEVELS and LEVELS.index(kernels["level"]) <= LEVELS.index(native_level())
         assert kernels["families"] and set(kernels["families"].values()) <= set(LEVELS)
+    assert stats["experts"] is None  # a dense model; a mixture of experts' counts: tests/model/test_moe.py
 
 
 def test_stats_agree_with_metrics(server, http):
