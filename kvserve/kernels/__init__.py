@@ -5,8 +5,9 @@
 `--cpu-isa` / `KVSERVE_CPU_ISA`), building it first if this machine and checkout have not:
 about a minute on 2 cores, into the kvserve cache folder, keyed by the sources' hash and the
 level, so it happens once. Only the chosen level's build is compiled; tests build the others.
-Where no level runs (a CPU below x86-64-v3, not x86, no C++ compiler, `KVSERVE_CPU_KERNELS=0`)
-kvserve runs the plain-torch reference path, which the kernels are tested against.
+Where no level runs (a CPU below x86-64-v3, neither x86-64 nor aarch64, no C++ compiler,
+`KVSERVE_CPU_KERNELS=0`) kvserve runs the plain-torch reference path, which the kernels are
+tested against.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def unavailable_reason(level: str | None = None) -> str | None:
         return "disabled by KVSERVE_CPU_KERNELS=0"
     level = level or chosen_level()
     if level is None:
-        return "the CPU runs none of the kernel levels (x86-64-v3 with AVX2, FMA and F16C at least)"
+        return "the CPU runs none of the kernel levels (x86-64-v3 with AVX2, FMA and F16C, or aarch64 with NEON)"
     if level in _build_failures:
         return _build_failures[level]
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):

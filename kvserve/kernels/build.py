@@ -5,7 +5,9 @@ glue (bindings.cpp, linear.cpp, fused_decode.cpp, shared_prefix_decode.cpp, fami
 checks.cpp: no intrinsics), the torch-free kernel core (core/: one source per op family on raw
 pointers, written in core/simd.h's vocabulary, which maps it onto the level's instructions) and
 its thin torch layer (ops/: one file per family). The `amx` level adds the one family only
-it has (core/amx/, ops/amx/: the AMX tile GEMM), in place of ops/absent.cpp's refusals.
+it has (core/amx/, ops/amx/: the AMX tile GEMM), in place of ops/absent.cpp's refusals. The
+aarch64 levels compile the same sources; simd.h includes core/neon/x86_vocabulary.h there,
+which is the core's x86 vector vocabulary written in NEON.
 
 The compiler is given four units a build, not one per file: bindings.cpp alone (the slowest,
 pybind11), and each group of sources (the rest of the glue, core/, ops/) as one generated
@@ -39,6 +41,7 @@ class KernelBuild:
     level: str
     isa_flags: tuple[str, ...]
     amx: bool = False
+    arch: str = "x86_64"  # isa.ARCH_LEVELS' key: which compiler target the flags are for
 
     def _groups(self) -> dict[str, list[Path]]:
         """The sources compiled as one unit each, by the unit's name (bindings.cpp is apart)."""
@@ -68,7 +71,7 @@ class KernelBuild:
 
     @property
     def headers(self) -> list[Path]:
-        dirs = [HERE, HERE / "core", HERE / "core" / "amx", HERE / "ops"]
+        dirs = [HERE, HERE / "core", HERE / "core" / "amx", HERE / "core" / "neon", HERE / "ops"]
         return sorted(p for d in dirs for p in d.glob("*.h"))
 
     @property
@@ -97,12 +100,19 @@ class KernelBuild:
 _X86_V3 = ("-march=x86-64-v3", "-mtune=generic")
 _X86_V4 = ("-march=x86-64-v4", "-mtune=generic")
 _AVX512_BF16 = (*_X86_V4, "-mavx512vnni", "-mavx512bf16")
+# GCC and clang both take these; Armv8.0-A includes NEON and the fp16 conversions the core uses
+_ARMV8 = ("-march=armv8-a",)
+_ARM_DOTPROD = ("-march=armv8.2-a+dotprod",)
+_ARM_I8MM = ("-march=armv8.2-a+dotprod+i8mm",)
 
 BUILDS: dict[str, KernelBuild] = {
     "avx2": KernelBuild("avx2", _X86_V3),
     "avx512-vnni": KernelBuild("avx512-vnni", (*_X86_V4, "-mavx512vnni")),
     "avx512-bf16": KernelBuild("avx512-bf16", _AVX512_BF16),
     "amx": KernelBuild("amx", (*_AVX512_BF16, "-mamx-tile", "-mamx-bf16"), amx=True),
+    "neon": KernelBuild("neon", _ARMV8, arch="aarch64"),
+    "neon-dotprod": KernelBuild("neon-dotprod", _ARM_DOTPROD, arch="aarch64"),
+    "neon-i8mm": KernelBuild("neon-i8mm", _ARM_I8MM, arch="aarch64"),
 }
 
 # the build each level runs: its own, or the one below it where it has nothing of its own
@@ -112,6 +122,9 @@ LEVEL_BUILD: dict[str, str] = {
     "avx512-vnni": "avx512-vnni",
     "avx512-bf16": "avx512-bf16",
     "amx": "amx",
+    "neon": "neon",
+    "neon-dotprod": "neon-dotprod",
+    "neon-i8mm": "neon-i8mm",
 }
 
 

@@ -10,33 +10,69 @@ explicit flags (never -march=native, so one cache folder serves any machine of t
     avx512-bf16  + VDPBF16PS (Zen 4/5, Cooper Lake, Sapphire Rapids)
     amx          + AMX-BF16 tiles (Sapphire Rapids and later)
 
+and on aarch64 (the same sources: core/neon/x86_vocabulary.h maps the core's vector
+vocabulary onto NEON):
+
+    neon          Armv8.0-A Advanced SIMD (every 64-bit ARM: Cortex-A53/A72, Graviton 1)
+    neon-dotprod  + SDOT/UDOT (Armv8.2-A+dotprod: Apple M1, Graviton 2, Neoverse N1, Ampere Altra)
+    neon-i8mm     + USDOT/SMMLA (Armv8.6-A I8MM: Apple M2 and later, Graviton 3/4, Neoverse V1/N2)
+
 Forcing: `KVSERVE_CPU_ISA=LEVEL` or `--cpu-isa LEVEL` (the engine config) picks a lower
 level than the CPU's own; a higher one than the CPU runs is a clear error, never an illegal
 instruction. The CPU's features come from the kernel's view of them (/proc/cpuinfo flags),
 which Linux clears for state the OS did not enable in XCR0 (AVX-512 or AMX tiles switched
-off by the kernel or the hypervisor), so a listed flag is one this process may use.
+off by the kernel or the hypervisor), so a listed flag is one this process may use. On ARM
+Linux they are the "Features" line (the kernel's hwcaps, what getauxval(AT_HWCAP) reports);
+on macOS, the `hw.optional` sysctls, named as Linux names them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
+import sys
 from pathlib import Path
 
 from kvserve.errors import ConfigError
 
-# lowest first; each level runs everything the ones before it run
-LEVELS: tuple[str, ...] = ("avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx")
+# each architecture's levels, lowest first; each level runs everything the ones before it run
+X86_LEVELS: tuple[str, ...] = ("avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx")
+ARM_LEVELS: tuple[str, ...] = ("neon", "neon-dotprod", "neon-i8mm")
+ARCH_LEVELS: dict[str, tuple[str, ...]] = {"x86_64": X86_LEVELS, "aarch64": ARM_LEVELS}
+LEVELS: tuple[str, ...] = X86_LEVELS + ARM_LEVELS  # every level's name (--cpu-isa's choices)
 
-# /proc/cpuinfo flags each level needs (on top of the levels below it)
+# the CPU flags (Linux's names) each level needs, on top of the levels below it
 _FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "popcnt"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),
     "avx512-vnni": ("avx512_vnni",),
     "avx512-bf16": ("avx512_bf16",),
     "amx": ("amx_tile", "amx_bf16"),
+    "neon": ("fp", "asimd"),
+    "neon-dotprod": ("asimddp",),
+    "neon-i8mm": ("i8mm",),
 }
+
+# macOS names the same features in sysctls (hw.optional.*); Linux's name for each
+_DARWIN_SYSCTLS: dict[str, str] = {
+    "hw.optional.floatingpoint": "fp",
+    "hw.optional.AdvSIMD": "asimd",
+    "hw.optional.arm.FEAT_DotProd": "asimddp",
+    "hw.optional.arm.FEAT_I8MM": "i8mm",
+    "hw.optional.arm.FEAT_BF16": "bf16",
+}
+
+
+def machine_arch(machine: str | None = None) -> str | None:
+    """This machine's architecture as the levels name it ("x86_64", "aarch64"), or None."""
+    m = (machine or platform.machine()).lower()
+    return {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(m)
+
+
+def level_arch(level: str) -> str:
+    return next(arch for arch, levels in ARCH_LEVELS.items() if level in levels)
 
 ENV_VAR = "KVSERVE_CPU_ISA"
 
@@ -44,13 +80,35 @@ ENV_VAR = "KVSERVE_CPU_ISA"
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as the kernel reports them, read once."""
+    if sys.platform == "darwin":
+        return darwin_flags(_sysctl_int)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+        return flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        return frozenset()
+
+
+def flags_from_cpuinfo(text: str) -> frozenset[str]:
+    """The first processor's flags: x86's "flags" line, or ARM's "Features" line."""
+    for line in text.splitlines():
+        key = line.split(":", 1)[0].strip()
+        if key in ("flags", "Features") and ":" in line:
+            return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def darwin_flags(read_sysctl) -> frozenset[str]:
+    """Linux's names for the features macOS reports as set; `read_sysctl(name)` gives a
+    sysctl's integer or None where the OS has no such name (older macOS)."""
+    return frozenset(flag for name, flag in _DARWIN_SYSCTLS.items() if read_sysctl(name))
+
+
+def _sysctl_int(name: str) -> int | None:
+    libc = ctypes.CDLL(None)
+    value, size = ctypes.c_int64(0), ctypes.c_size_t(8)
+    if libc.sysctlbyname(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return None
+    return value.value
 
 
 def cpu_has(flag: str) -> bool:
@@ -59,17 +117,21 @@ def cpu_has(flag: str) -> bool:
 
 
 def missing_flags(level: str, flags: frozenset[str] | None = None) -> list[str]:
-    """The flags `level` needs that the CPU lacks (its own and every lower level's)."""
+    """The flags `level` needs that the CPU lacks (its own and every lower level's of its
+    architecture)."""
     flags = cpu_flags() if flags is None else flags
-    need = [f for lv in LEVELS[: LEVELS.index(level) + 1] for f in _FLAGS[lv]]
+    levels = ARCH_LEVELS[level_arch(level)]
+    need = [f for lv in levels[: levels.index(level) + 1] for f in _FLAGS[lv]]
     return [f for f in need if f not in flags]
 
 
 def runnable_levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:
-    """Every level this CPU executes, lowest first (empty off x86 or below x86-64-v3)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """Every level this CPU executes, lowest first (empty on another architecture, or below
+    x86-64-v3)."""
+    arch = machine_arch()
+    if arch is None:
         return ()
-    return tuple(lv for lv in LEVELS if not missing_flags(lv, flags))
+    return tuple(lv for lv in ARCH_LEVELS[arch] if not missing_flags(lv, flags))
 
 
 def native_level(flags: frozenset[str] | None = None) -> str | None:
@@ -82,10 +144,11 @@ def check_level(level: str, source: str) -> str:
     """`level` if it names a level this CPU runs; else a ConfigError naming `source`."""
     if level not in LEVELS:
         raise ConfigError(source, f"unknown CPU kernel level {level!r}; the levels are {', '.join(LEVELS)}")
-    missing = missing_flags(level)
-    if missing or platform.machine().lower() not in ("x86_64", "amd64"):
+    arch = machine_arch()
+    missing = missing_flags(level) if arch == level_arch(level) else []
+    if missing or arch != level_arch(level):
         runs = native_level()
-        why = f"lacks {', '.join(missing)}" if missing else f"is {platform.machine()}, not x86-64"
+        why = f"lacks {', '.join(missing)}" if missing else f"is {platform.machine()}, not {level_arch(level).replace('_', '-')}"
         raise ConfigError(
             source,
             f"CPU kernel level {level!r} needs instructions this CPU does not have: it {why}"

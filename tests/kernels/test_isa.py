@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -45,9 +46,60 @@ def test_a_level_needs_every_lower_levels_flags(monkeypatch):
     assert isa.missing_flags("avx512-vnni", ZEN3) == ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"]
 
 
-def test_no_level_off_x86(monkeypatch):
+def test_no_level_off_x86_and_aarch64(monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "riscv64")
+    assert isa.runnable_levels(SAPPHIRE_RAPIDS | GRAVITON3) == ()
     monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
-    assert isa.runnable_levels(SAPPHIRE_RAPIDS) == ()
+    assert isa.runnable_levels(SAPPHIRE_RAPIDS) == ()  # x86 flags make no ARM level
+
+
+# the "Features" lines of /proc/cpuinfo on these cores (Linux 6.x)
+CORTEX_A53 = frozenset("fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid".split())
+NEOVERSE_N1 = CORTEX_A53 | frozenset("atomics fphp asimdhp asimdrdm lrcpc dcpop asimddp ssbs".split())  # Graviton 2
+GRAVITON3 = NEOVERSE_N1 | frozenset("sha3 sm3 sm4 asimdfhm dit uscat ilrcpc flagm sve svei8mm svebf16 i8mm bf16 dgh rng".split())
+
+
+@pytest.mark.parametrize("flags, native", [(frozenset({"fp"}), None), (CORTEX_A53, "neon"), (NEOVERSE_N1, "neon-dotprod"),
+                                           (GRAVITON3, "neon-i8mm"), (CORTEX_A53 | {"i8mm"}, "neon")])  # fmt: skip
+def test_aarch64_levels_from_the_kernels_features(flags, native, monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
+    assert isa.native_level(flags) == native
+    runs = isa.runnable_levels(flags)
+    assert runs == (isa.ARM_LEVELS[: isa.ARM_LEVELS.index(native) + 1] if native else ())
+
+
+def test_cpu_flags_read_the_x86_flags_or_the_arm_features_line():
+    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    arm = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm asimddp i8mm\nCPU implementer\t: 0x41\n"
+    assert isa.flags_from_cpuinfo(x86) == {"fpu", "avx", "avx2", "fma"}
+    assert isa.flags_from_cpuinfo(arm) == {"fp", "asimd", "evtstrm", "asimddp", "i8mm"}
+    assert isa.flags_from_cpuinfo("processor\t: 0\n") == frozenset()
+
+
+@pytest.mark.parametrize("sysctls, native", [
+    ({"hw.optional.floatingpoint": 1, "hw.optional.AdvSIMD": 1, "hw.optional.arm.FEAT_DotProd": 1}, "neon-dotprod"),  # M1
+    ({"hw.optional.floatingpoint": 1, "hw.optional.AdvSIMD": 1, "hw.optional.arm.FEAT_DotProd": 1,
+      "hw.optional.arm.FEAT_I8MM": 1, "hw.optional.arm.FEAT_BF16": 1}, "neon-i8mm"),  # M2 and later
+    ({"hw.optional.floatingpoint": 1, "hw.optional.AdvSIMD": 1}, "neon"),  # a macOS without the FEAT_ names
+])  # fmt: skip
+def test_macos_sysctls_name_the_same_levels(sysctls, native, monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "arm64")  # what macOS calls it
+    flags = isa.darwin_flags(sysctls.get)
+    assert isa.native_level(flags) == native
+
+
+def test_a_level_of_the_other_architecture_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    with pytest.raises(ConfigError, match=r"'neon-dotprod' needs instructions this CPU does not have: it is x86_64, not aarch64"):
+        isa.check_level("neon-dotprod", "cpu_isa")
+    isa.cpu_flags.cache_clear()
+    monkeypatch.setattr(isa, "cpu_flags", lambda: NEOVERSE_N1)
+    monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
+    with pytest.raises(ConfigError, match=r"'avx2' .* it is aarch64, not x86-64 \(the highest level it runs is 'neon-dotprod'\)"):
+        isa.check_level("avx2", "cpu_isa")
+    with pytest.raises(ConfigError, match=r"'neon-i8mm' .* it lacks i8mm"):
+        isa.check_level("neon-i8mm", "cpu_isa")
+    assert isa.check_level("neon", "cpu_isa") == "neon"
 
 
 def test_every_level_has_a_build_and_lower_ones_share_theirs():
@@ -134,7 +186,7 @@ def _instructions(level: str, tmp_path_factory, whole_build: bool | None = None)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None or shutil.which("c++") is None, reason="no objdump or compiler")
-@pytest.mark.parametrize("level", list(BUILDS))
+@pytest.mark.parametrize("level", [lv for lv, b in BUILDS.items() if b.arch == "x86_64"])
 def test_a_build_holds_no_instruction_above_its_level(level, tmp_path_factory):
     lines = _instructions(level, tmp_path_factory)
     forbidden: list[tuple[str, re.Pattern]] = []
@@ -192,3 +244,41 @@ def test_the_start_up_report_names_the_forced_level(level, tiny_model_dirs):
     # families sorted by name: amx_linear leads the line at the amx level, argmax at the others
     families = next(line for line in report.splitlines() if line.strip().startswith("families: "))
     assert f"argmax {build.level}" in families
+
+
+# ---- the aarch64 builds: cross-compiled here, disassembled with the cross binutils ------------
+
+_ARM_CXX, _ARM_OBJDUMP = shutil.which("aarch64-linux-gnu-g++"), shutil.which("aarch64-linux-gnu-objdump")
+_SDOT = re.compile(r"\t[su]dot\t")
+_I8MM = re.compile(r"\t(usdot|sudot|smmla|ummla|usmmla)\t")
+_ARM_BF16 = re.compile(r"\t(bfdot|bfmmla|bfmlal[bt]|bfcvtn2?)\t")
+_SVE = re.compile(r"\bz\d+\.[bhsdq]\b|\bp\d+/[zm]\b")
+
+
+@pytest.mark.skipif(_ARM_CXX is None or _ARM_OBJDUMP is None,
+                    reason="no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu; `make test` does, as root)")  # fmt: skip
+@pytest.mark.parametrize("level", [lv for lv, b in BUILDS.items() if b.arch == "aarch64"])
+def test_an_arm_build_holds_no_instruction_above_its_level(level, tmp_path):
+    # the core is torch-free, so its family sources cross-compile alone with the build's flags;
+    # quant_linear's int8 dots are where each ARM level's own instruction shows
+    build = BUILDS[level]
+    lines = []
+    for source in ("core/quant_linear_core.cpp", "core/gemv_core.cpp", "core/decode_attention_core.cpp"):
+        obj = tmp_path / (Path(source).stem + ".o")
+        cmd = [_ARM_CXX, "-std=c++17", *build.cflags, "-c", str(HERE / source), "-o", str(obj)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = subprocess.run([_ARM_OBJDUMP, "-d", "-w", str(obj)], check=True, capture_output=True, text=True).stdout
+        lines += [line for line in out.splitlines() if "\t" in line]
+    assert len(lines) > 1000
+    forbidden = [("SVE", _SVE), ("BF16 (BFDOT/BFMMLA)", _ARM_BF16)]
+    if level == "neon":
+        forbidden.append(("dot-product (SDOT/UDOT)", _SDOT))
+    if level != "neon-i8mm":
+        forbidden.append(("I8MM (USDOT/SMMLA)", _I8MM))
+    for what, pattern in forbidden:
+        hits = [line for line in lines if pattern.search(line)]
+        assert not hits, f"the {level} build holds {len(hits)} {what} instructions, e.g. {hits[:3]}"
+    own = {"neon-dotprod": _SDOT, "neon-i8mm": _I8MM}.get(level)
+    if own is not None:
+        assert any(own.search(line) for line in lines), f"the {level} build uses none of its level's instructions"

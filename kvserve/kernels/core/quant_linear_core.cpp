@@ -16,7 +16,10 @@
 // the weight bytes stream strictly in order and every accumulator holds 8 columns.
 //
 // The integer dot products, per level:
-//   avx512-vnni  VPDPBUSD (simd::dot4_u8s8) on the unsigned codes as they are: exact.
+//   avx512-vnni  VPDPBUSD (simd::dot4_u8s8) on the unsigned codes as they are: exact. The
+//                aarch64 dot levels take this path too (neon-i8mm: USDOT, the same sums;
+//                neon-dotprod: SDOT, one for the 4- and 6-bit codes, which are below 128
+//                (simd::dot4_u7s8), a correction term more for the 8-bit ones).
 //   avx2         VPMADDUBSW saturates its int16 pair sums. 4-bit codes (<= 15) times |q| <= 127
 //                are safe, and a whole block's pair sums stay below 8·2·15·127 = 30480, so they
 //                accumulate in int16 and widen once per block (VPMADDWD). 8-bit codes are
@@ -25,7 +28,8 @@
 //                Σ q·x exact, and Σ c·x = Σ q·x + 128·Σx. From kPanelMinRows rows, the 8-bit
 //                codes of a group are widened once into an int16 panel (q = c − 128) and
 //                multiplied by the activations as int16 with VPMADDWD (build_panel): the
-//                same exact Σ q·x by fewer uops of the multiply pipes.
+//                same exact Σ q·x by fewer uops of the multiply pipes. neon takes this path
+//                (x86_vocabulary.h's VPMADDUBSW saturates as x86's does).
 // Both levels reach the same exact integer, then the same fp32 operations: the builds agree
 // bitwise.
 //
@@ -162,10 +166,10 @@ inline void block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
-        acc[0][r][0] = simd::dot4_u8s8(acc[0][r][0], lo0, bl);
-        acc[0][r][1] = simd::dot4_u8s8(acc[0][r][1], lo1, bl);
-        acc[A - 1][r][0] = simd::dot4_u8s8(acc[A - 1][r][0], hi0, bh);
-        acc[A - 1][r][1] = simd::dot4_u8s8(acc[A - 1][r][1], hi1, bh);
+        acc[0][r][0] = simd::dot4_u7s8(acc[0][r][0], lo0, bl);
+        acc[0][r][1] = simd::dot4_u7s8(acc[0][r][1], lo1, bl);
+        acc[A - 1][r][0] = simd::dot4_u7s8(acc[A - 1][r][0], hi0, bh);
+        acc[A - 1][r][1] = simd::dot4_u7s8(acc[A - 1][r][1], hi1, bh);
       }
     }
     for (int r = 0; r < R; ++r)
@@ -265,8 +269,8 @@ inline void block_sums6(const uint8_t* codes, const int8_t* x, int64_t K, __m256
       const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
 #if KVSERVE_VNNI_DOT
       for (int h = 0; h < 2; ++h) {
-        L[r][h] = simd::dot4_u8s8(L[r][h], lo[h], bl);
-        H[r][h] = simd::dot4_u8s8(H[r][h], hi[h], bh);
+        L[r][h] = simd::dot4_u7s8(L[r][h], lo[h], bl);
+        H[r][h] = simd::dot4_u7s8(H[r][h], hi[h], bh);
       }
 #else
       for (int h = 0; h < 2; ++h) {

@@ -4,20 +4,32 @@
 // several levels' objects can live in one process or one test binary.
 //
 // Levels and what this header maps to:
-//   avx2         x86-64-v3: 8 fp32 lanes (__m256), int8 dots by VPMADDUBSW + VPMADDWD
-//   avx512-vnni  the same 8-lane code, EVEX-encoded; int8 dots by VPDPBUSD on ymm
-//   avx512-bf16  + bf16 pair dots by VDPBF16PS on ymm (kBf16Dot)
-//   amx          + AMX tiles, for the one family only that level has (core/amx/: amx_linear)
+//   avx2          x86-64-v3: 8 fp32 lanes (__m256), int8 dots by VPMADDUBSW + VPMADDWD
+//   avx512-vnni   the same 8-lane code, EVEX-encoded; int8 dots by VPDPBUSD on ymm
+//   avx512-bf16   + bf16 pair dots by VDPBF16PS on ymm (kBf16Dot)
+//   amx           + AMX tiles, for the one family only that level has (core/amx/: amx_linear)
+//   neon          aarch64: the same 8-lane code on pairs of 128-bit NEON registers, through
+//                 core/neon/x86_vocabulary.h (the x86 intrinsics below, written in NEON)
+//   neon-dotprod  + int8 dots by SDOT (kVnniDot)
+//   neon-i8mm     + int8 dots by USDOT, VPDPBUSD's own arithmetic (kVnniDot)
 // A core source uses only what is here plus the __m256/__m256i intrinsics of AVX2/FMA/F16C,
-// so it compiles at every x86 level; a later level (ARM NEON) adds its own branch here.
-// Where a level has an instruction that changes how a kernel is best blocked (a bf16 pair
-// dot needs no widening, so its tiles differ), the kernel asks this header's constexpr
-// flags (kBf16Dot) and keeps both tile shapes in its one source.
+// so it compiles at every level, x86 or ARM. Where a level has an instruction that changes
+// how a kernel is best blocked (a bf16 pair dot needs no widening, so its tiles differ), the
+// kernel asks this header's constexpr flags (kBf16Dot, kVnniDot) and keeps both tile shapes
+// in its one source. The ARM levels keep kBf16Dot off: BFDOT/BFMMLA round their products
+// differently from VDPBF16PS and from the widening path (round-to-odd, flushed denormals, by
+// implementation), and the widening path is exact and as fast per weight byte on NEON.
 //
 // bf16 values are raw uint16_t (the top half of an fp32); rounding to bf16 is to nearest even,
 // as torch rounds.
 #pragma once
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+#include "neon/x86_vocabulary.h"
+#else
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -26,12 +38,14 @@
 #error "compile the kernel core with -DKVSERVE_LEVEL_NS=<level> (kvserve/kernels/build.py does)"
 #endif
 
-#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#if !defined(__aarch64__) && (!defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__))
 #error "the kernel core's x86 levels need AVX2, FMA and F16C (-march=x86-64-v3 or above)"
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVSERVE_VNNI_DOT 1
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define KVSERVE_VNNI_DOT 1  // dot4_u8s8 exact for all bytes: USDOT, or SDOT with a correction
 #else
 #define KVSERVE_VNNI_DOT 0
 #endif
@@ -47,12 +61,12 @@ namespace KVSERVE_LEVEL_NS {
 namespace simd {
 
 constexpr int kLanes = 8;  // fp32 lanes of one vector
-constexpr bool kVnniDot = KVSERVE_VNNI_DOT;  // dot4_u8s8 is one VPDPBUSD (exact for all bytes)
+constexpr bool kVnniDot = KVSERVE_VNNI_DOT;  // dot4_u8s8 is one dot instruction (exact for all bytes)
 constexpr bool kBf16Dot = KVSERVE_BF16_DOT;  // dot2_bf16 is one VDPBF16PS
 #if defined(__AVX512VL__)
 constexpr int kVecRegs = 32;  // ymm0-31 with EVEX
 #else
-constexpr int kVecRegs = 16;
+constexpr int kVecRegs = 16;  // ymm0-15; on aarch64 v0-31 hold 16 values of 8 lanes
 #endif
 
 // ---- scalars ------------------------------------------------------------------------------
@@ -151,16 +165,58 @@ inline __m256 silu8(__m256 x) {
 
 // ---- int8 dot products --------------------------------------------------------------------
 
+#if defined(__aarch64__) && KVSERVE_VNNI_DOT
+// The ARM dot levels' 4-way int8 dots on one 128-bit half: acc[i] += Σ_{t<4} u[4i+t]·s[4i+t].
+namespace neon_dot {
+// x86_vocabulary.h's __m128i is an int64x2_t and its __m256i the pair {lo, hi}
+inline int8x16_t s8(__m128i v) { return vreinterpretq_s8_s64(v); }
+inline int32x4_t s32(__m128i v) { return vreinterpretq_s32_s64(v); }
+inline __m256i join(int32x4_t lo, int32x4_t hi) { return __m256i{vreinterpretq_s64_s32(lo), vreinterpretq_s64_s32(hi)}; }
+// u any byte. i8mm: USDOT is this sum. dotprod: SDOT on u − 128 (u with its top bit flipped,
+// read as signed) plus 128·Σs, itself an SDOT against ones: both exact in int32.
+inline int32x4_t u8s8(int32x4_t acc, int8x16_t u, int8x16_t s) {
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+  return vusdotq_s32(acc, vreinterpretq_u8_s8(u), s);
+#else
+  const int8x16_t centred = veorq_s8(u, vdupq_n_s8(static_cast<int8_t>(0x80)));
+  const int32x4_t sums = vdotq_s32(vdupq_n_s32(0), vdupq_n_s8(1), s);
+  return vaddq_s32(vdotq_s32(acc, centred, s), vshlq_n_s32(sums, 7));
+#endif
+}
+// u below 128: the same bytes read as signed, one SDOT
+inline int32x4_t u7s8(int32x4_t acc, int8x16_t u, int8x16_t s) { return vdotq_s32(acc, u, s); }
+}  // namespace neon_dot
+#endif
+
 // acc[i] += Σ_{t<4} u[4i+t]·s[4i+t] for 8 int32 lanes, u unsigned and s signed bytes.
-// At avx2 the pairwise products go through int16 (VPMADDUBSW), which saturates past 32767:
-// exact only while u·s pairs stay below that, e.g. u <= 127 (a sign moved onto s, as
-// llama.cpp does) or u <= 15 (4-bit codes). At avx512-vnni (VPDPBUSD) it is exact for all.
+// At avx2 and neon the pairwise products go through int16 (VPMADDUBSW), which saturates past
+// 32767: exact only while u·s pairs stay below that, e.g. u <= 127 (a sign moved onto s, as
+// llama.cpp does) or u <= 15 (4-bit codes). At avx512-vnni (VPDPBUSD) and the ARM dot levels it
+// is exact for all.
 inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
-#if KVSERVE_VNNI_DOT
+#if KVSERVE_VNNI_DOT && defined(__aarch64__)
+  using namespace neon_dot;
+  return join(u8s8(s32(_mm256_castsi256_si128(acc)), s8(_mm256_castsi256_si128(u)), s8(_mm256_castsi256_si128(s))),
+              u8s8(s32(_mm256_extracti128_si256(acc, 1)), s8(_mm256_extracti128_si256(u, 1)),
+                   s8(_mm256_extracti128_si256(s, 1))));
+#elif KVSERVE_VNNI_DOT
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   const __m256i pairs = _mm256_maddubs_epi16(u, s);
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// dot4_u8s8 where every u is below 128 (the 4- and 6-bit codes): the same sums, and at
+// neon-dotprod one SDOT instead of two (u read as signed is u).
+inline __m256i dot4_u7s8(__m256i acc, __m256i u, __m256i s) {
+#if KVSERVE_VNNI_DOT && defined(__aarch64__) && !defined(__ARM_FEATURE_MATMUL_INT8)
+  using namespace neon_dot;
+  return join(u7s8(s32(_mm256_castsi256_si128(acc)), s8(_mm256_castsi256_si128(u)), s8(_mm256_castsi256_si128(s))),
+              u7s8(s32(_mm256_extracti128_si256(acc, 1)), s8(_mm256_extracti128_si256(u, 1)),
+                   s8(_mm256_extracti128_si256(s, 1))));
+#else
+  return dot4_u8s8(acc, u, s);
 #endif
 }
 
