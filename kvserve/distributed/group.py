@@ -72,10 +72,11 @@ class TensorParallelGroup:
 
     def use_shared_memory(self, max_elements: int, timeout_s: float) -> None:
         """Every rank on this host: AllReduces of up to `max_elements` fp32 elements go through
-        a shared segment (shm_allreduce.py) instead of gloo's sockets. Collective: all ranks call it."""
-        from kvserve.distributed.shm_allreduce import ShmAllReduce, two_shot_pays
+        a shared segment (shm_allreduce.py) instead of gloo's sockets. Collective: all ranks call it.
+        On a CPU without ordered stores (ARM) it leaves them on gloo (shm_allreduce.stores_ordered)."""
+        from kvserve.distributed.shm_allreduce import ShmAllReduce, stores_ordered, two_shot_pays
 
-        if self.world == 1:
+        if self.world == 1 or not stores_ordered():
             return
         setup = None
         if self.is_driver:

@@ -13,6 +13,11 @@ Protocol, per collective k (a counter every rank advances in step):
 - double buffering makes that safe to repeat: a rank writing collective k + 2 into the buffer
   of k has seen every flag >= k + 1, so every rank has finished reading collective k.
 
+The protocol rests on x86's ordered stores (a rank that sees flag k also sees the slot
+written before it). numpy's stores carry no fence, so on a weakly ordered CPU (ARM) a rank
+could read a slot before its data lands: there the AllReduce stays on gloo
+(`stores_ordered()`).
+
 Waiting spins briefly, then yields the core (sleep(0)), then sleeps 50 µs at a time, so a
 rank that shares a core with others does not starve them. Messages larger than a slot go to
 gloo.
@@ -31,6 +36,14 @@ import uuid
 
 import numpy as np
 import torch
+
+def stores_ordered() -> bool:
+    """Whether this CPU keeps stores in program order for other cores (x86's TSO), which the
+    flag-after-data protocol needs."""
+    from kvserve.kernels.isa import machine_arch
+
+    return machine_arch() == "x86_64"
+
 
 _SPINS = 2000  # polls before yielding the core
 _YIELDS = 2000  # sleep(0) polls before sleeping

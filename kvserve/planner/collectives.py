@@ -45,7 +45,7 @@ def _rank(rank: int, port: int, sizes: list[int], repeats: int, out, shared_memo
     group = TensorParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
     if mode != "gloo":  # the engine's same-host path (distributed/shm_allreduce.py)
         group.use_shared_memory(max(sizes), 60.0)
-    if mode in ("one-shot", "two-shot"):
+    if mode in ("one-shot", "two-shot") and group.shm is not None:  # None: this CPU keeps them on gloo
         two = mode == "two-shot"
 
         def reduce(x):

@@ -106,3 +106,20 @@ def test_reduce_scatter_all_gather_gives_the_one_shot_bits(world):
     for r in range(world):
         for i in range(0, len(results[r]), 2):
             assert torch.equal(results[r][i], results[r][i + 1]) and torch.equal(results[r][i], results[0][i])
+
+
+def test_a_cpu_without_ordered_stores_keeps_the_allreduce_on_gloo(monkeypatch):
+    # the flag-after-data protocol needs x86's store order; on ARM a rank could read a slot
+    # before its data lands, so the group never maps the segment there
+    from kvserve.distributed import shm_allreduce
+    from kvserve.distributed.group import TensorParallelGroup
+    from kvserve.kernels import isa
+
+    monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
+    assert not shm_allreduce.stores_ordered()
+    group = TensorParallelGroup(0, 1, torch.device("cpu"))
+    group.world = 2  # as rank 0 of two would be, without a process group to join
+    group.use_shared_memory(4096, 5.0)  # returns before any collective: nothing to join
+    assert group.shm is None
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    assert shm_allreduce.stores_ordered()
