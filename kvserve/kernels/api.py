@@ -352,6 +352,12 @@ class CpuOps(Protocol):
         """y = x @ W.T (+ bias), W the segments stacked by rows; x (bf16 or fp32, any rows) quantized to int8 per
         row and block of 32 and multiplied as int8 dot products (the result in x's dtype, fp32 if float_out)."""
 
+    def quant_linear_rows(
+        self, x: torch.Tensor, per_row: Sequence[Sequence[QuantSegment]], float_out: bool = False
+    ) -> torch.Tensor:
+        """y[r] = x[r] @ W_r.T, W_r = per_row[r]'s segments stacked by rows (the same out features for every
+        row, no bias), in one parallel pass; row r's bits are quant_linear(x[r:r+1], per_row[r])'s."""
+
     def quant_embedding(
         self, ids: torch.Tensor, segments: Sequence[QuantSegment], in_features: int, dtype: torch.dtype
     ) -> torch.Tensor:

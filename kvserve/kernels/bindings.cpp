@@ -96,6 +96,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("quant_linear", &quant_linear, "y = x @ W.T (+ bias) on block-quantized segments (int8 dot products)",
         py::arg("x"), py::arg("segments"), py::arg("bias") = py::none(), py::arg("float_out") = false);
+  m.def("quant_linear_rows", &quant_linear_rows, "y[r] = x[r] @ W_r.T, each row its own block-quantized weight",
+        py::arg("x"), py::arg("per_row"), py::arg("float_out") = false);
   m.def("quant_embedding", &quant_embedding, "rows `ids` of the block-quantized W, dequantized", py::arg("ids"),
         py::arg("segments"), py::arg("in_features"), py::arg("dtype"));
   m.attr("QUANT_Q8") = kQuantQ8;

@@ -261,6 +261,10 @@ struct QuantSegment {
 // segments stacked by rows; x is quantized per row and block of 32 (the int8 compute format). Any M.
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<QuantSegment>& w, const c10::optional<at::Tensor>& bias,
                         bool float_out = false);
+// y [R, N]: row r = x[r] · W_rᵀ for W_r = per_row[r]'s segments (N outputs each, no bias), in one
+// parallel pass; row r's bits are quant_linear(x[r:r+1], per_row[r])'s. A token's routed experts.
+at::Tensor quant_linear_rows(const at::Tensor& x, const std::vector<std::vector<QuantSegment>>& per_row,
+                             bool float_out = false);
 // Rows `ids` of W dequantized ([T, K] in `dtype`): the embedding lookup of a quantized table.
 at::Tensor quant_embedding(const at::Tensor& ids, const std::vector<QuantSegment>& w, int64_t K, at::ScalarType dtype);
 int64_t quant_out_features(const std::vector<QuantSegment>& w);

@@ -94,6 +94,35 @@ def test_mixed_segments_bias_and_fp32_input():
     torch.testing.assert_close(y32, _int8_reference(x, both).float(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8, 50])  # 50: past avx2's 8-bit panel, which a row alone never takes
+@pytest.mark.parametrize("float_x, float_out", [(False, False), (True, True)])
+def test_each_row_on_its_own_weight_is_that_row_alone_bitwise(rows, float_x, float_out):
+    """quant_linear_rows (a token's k routed experts' down projections): row r against W_r equals
+    quant_linear(x[r:r+1], W_r), every format mixed in one call, a weight of two segments too."""
+    k, n = 256, 48
+    kinds = [KINDS[r % len(KINDS)] for r in range(rows)]
+    weights = [_weights(kind, n, k, seed=10 + r) for r, kind in enumerate(kinds)]
+    weights[0] = qf.QuantizedWeight.cat([_weights("q4", 32, k, seed=3), _weights("q8", 16, k, seed=4)])
+    if rows > 1:
+        weights[1] = _k_weights("Q4_K", n, k, seed=5)
+    per_row = [kernel_segments(ops, w) for w in weights]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    x = x if float_x else x.to(torch.bfloat16)
+    y = ops.quant_linear_rows(x, per_row, float_out)
+    assert y.shape == (rows, n) and y.dtype == (torch.float32 if float_out else torch.bfloat16)
+    for r in range(rows):
+        assert torch.equal(y[r : r + 1], ops.quant_linear(x[r : r + 1], per_row[r], None, float_out)), r
+
+
+def test_rows_on_their_own_weights_refuse_mismatched_shapes():
+    a, b = kernel_segments(ops, _weights("q4", 48, 64)), kernel_segments(ops, _weights("q4", 32, 64))
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="every row's weight needs 48 outputs, one has 32"):
+        ops.quant_linear_rows(x, [a, b])
+    with pytest.raises(RuntimeError, match="1 weights for 2 rows"):
+        ops.quant_linear_rows(x, [a])
+
+
 def test_stacked_weights_keep_their_segments_without_copying():
     a, b = _weights("q4_min", 32, 64, seed=5), _weights("q4_min", 16, 64, seed=6)
     both = qf.QuantizedWeight.cat([a, b])

@@ -56,6 +56,13 @@ size_t quant_linear_scratch_bytes(int64_t M, int64_t K);
 void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
                   const uint16_t* bias, void* y, bool y_bf16, void* scratch);
 
+// y [R, N]: row r = x[r] · W_rᵀ, W_r the segments segs[first[r] .. first[r + 1]) stacked by
+// rows (N outputs for every r), no bias: a token's k routed experts (their inputs differ) in one
+// parallel pass, so the threads stream all k weights without a fork and join per expert.
+// Row r's bits are quant_linear's of x[r] alone against W_r. Scratch as quant_linear(R, K).
+void quant_linear_rows(const void* x, bool x_bf16, int64_t R, int64_t K, const SegmentView* segs, const int64_t* first,
+                       void* y, bool y_bf16, void* scratch);
+
 // out [T, K] fp32: rows ids[t] of W dequantized (d·c + m). ids must be within [0, N).
 void quant_embedding(const int64_t* ids, int64_t T, const SegmentView* segs, int64_t num_segs, int64_t K, float* out);
 

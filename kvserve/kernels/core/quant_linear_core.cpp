@@ -551,9 +551,12 @@ size_t quant_linear_scratch_bytes(int64_t M, int64_t K) {
   return static_cast<size_t>(align64(M * K) + 3 * align64(M * KB * 4) + wide);
 }
 
-void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
-                  const uint16_t* bias, void* y, bool y_bf16, void* scratch) {
-  if (M <= 0) return;
+namespace {
+
+// x's rows quantized per block of 32 into `scratch` (quant_linear_scratch_bytes(M, K)), and the
+// int16 copy where an 8-bit segment will read the panel
+XView quantize_rows(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
+                    void* scratch) {
   const int64_t KB = K / kBlock;
   char* base = static_cast<char*>(scratch);
   int8_t* xq = reinterpret_cast<int8_t*>(base);
@@ -577,9 +580,48 @@ void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const Segmen
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq16 + off + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
     }
   }
-  const XView xv{xq, xd, xs, xs_lo, xq16};
+  return XView{xq, xd, xs, xs_lo, xq16};
+}
+
+// Every row's own weight, one stealing pass over all (row, group) items: an item is one row
+// against one column group of its weight, rows_of_group(1, ...) as quant_linear runs a row alone.
+template <typename Out>
+void run_rows(int64_t R, int64_t K, const SegmentView* segs, const int64_t* first, const XView& x, Out* y) {
+  int64_t N = 0;
+  for (int64_t i = first[0]; i < first[1]; ++i) N += segs[i].groups * kGroup;
+  const int64_t groups = N / kGroup, KB = K / kBlock;
+  const int threads = R * groups * KB >= kParallelMinWork ? omp_get_max_threads() : 1;
+  StealingRange range(R * groups, threads, R * groups / (16 * threads));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    int64_t b, e;
+    while (range.next(omp_get_thread_num(), b, e))
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t r = item / groups;
+        int64_t g = item % groups, si = first[r];
+        while (g >= segs[si].groups) g -= segs[si++].groups;
+        run_group(1, segs[si], g, x.at(r, K), K, nullptr, y + r * N, N, (item % groups) * kGroup);
+      }
+  }
+}
+
+}  // namespace
+
+void quant_linear(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
+                  const uint16_t* bias, void* y, bool y_bf16, void* scratch) {
+  if (M <= 0) return;
+  const XView xv = quantize_rows(x, x_bf16, M, K, segs, num_segs, scratch);
   if (y_bf16) run_all(M, K, segs, num_segs, xv, bias, static_cast<uint16_t*>(y));
   else run_all(M, K, segs, num_segs, xv, bias, static_cast<float*>(y));
+}
+
+void quant_linear_rows(const void* x, bool x_bf16, int64_t R, int64_t K, const SegmentView* segs, const int64_t* first,
+                       void* y, bool y_bf16, void* scratch) {
+  if (R <= 0) return;
+  // each row runs alone (rows_of_group(1, ...)), never on the 8-bit panel
+  const XView xv = quantize_rows(x, x_bf16, R, K, segs + first[0], first[R] - first[0], scratch);
+  if (y_bf16) run_rows(R, K, segs, first, xv, static_cast<uint16_t*>(y));
+  else run_rows(R, K, segs, first, xv, static_cast<float*>(y));
 }
 
 void quant_embedding(const int64_t* ids, int64_t T, const SegmentView* segs, int64_t num_segs, int64_t K, float* out) {

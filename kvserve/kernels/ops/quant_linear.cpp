@@ -88,6 +88,31 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<QuantSegment>&
   return y;
 }
 
+at::Tensor quant_linear_rows(const at::Tensor& x_in, const std::vector<std::vector<QuantSegment>>& per_row, bool float_out) {
+  TORCH_CHECK(x_in.dim() == 2, "quant_linear_rows: x must be [rows, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "quant_linear_rows: x must be bf16 or fp32");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(static_cast<int64_t>(per_row.size()) == R, "quant_linear_rows: ", per_row.size(), " weights for ", R, " rows");
+  TORCH_CHECK(K % kBlock == 0, "quant_linear_rows: K = ", K, " is not a multiple of ", kBlock);
+  std::vector<quant_linear_core::SegmentView> w;
+  std::vector<int64_t> first{0};
+  const int64_t N = R ? quant_out_features(per_row[0]) : 0;
+  for (const std::vector<QuantSegment>& segs : per_row) {
+    TORCH_CHECK(quant_out_features(segs) == N, "quant_linear_rows: every row's weight needs ", N, " outputs, one has ",
+                quant_out_features(segs));
+    const std::vector<quant_linear_core::SegmentView> views = check_segments(segs, K, "quant_linear_rows");
+    w.insert(w.end(), views.begin(), views.end());
+    first.push_back(static_cast<int64_t>(w.size()));
+  }
+  at::Tensor y = at::empty({R, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  if (R == 0) return y;
+  at::Tensor scratch = at::empty({static_cast<int64_t>(quant_linear_core::quant_linear_scratch_bytes(R, K))}, x.options().dtype(at::kByte));
+  quant_linear_core::quant_linear_rows(x.data_ptr(), x.scalar_type() == at::kBFloat16, R, K, w.data(), first.data(),
+                                       y.data_ptr(), y.scalar_type() == at::kBFloat16, scratch.data_ptr());
+  return y;
+}
+
 at::Tensor quant_embedding(const at::Tensor& ids_in, const std::vector<QuantSegment>& segs, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(K % kBlock == 0, "quant_embedding: K = ", K, " is not a multiple of ", kBlock);
   const std::vector<quant_linear_core::SegmentView> w = check_segments(segs, K, "quant_embedding");
