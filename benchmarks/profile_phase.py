@@ -39,11 +39,12 @@ def main() -> None:
     ap.add_argument("--phase", choices=("prefill", "decode"), required=True)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--kv-cache-memory", default="256MiB", help="the pool (a larger model's 4,096 positions need more)")
     args = ap.parse_args()
     if args.seconds <= 0 or args.prompt_len <= 0:
         ap.error("--seconds and --prompt-len must be positive")
 
-    engine = LLMEngine(EngineConfig(model=args.model, cpu_isa=args.cpu_isa, kv_cache_memory="256MiB",
+    engine = LLMEngine(EngineConfig(model=args.model, cpu_isa=args.cpu_isa, kv_cache_memory=args.kv_cache_memory,
                                     max_model_len=max(4096, args.prompt_len + 1)))
     rng = np.random.default_rng(0)
     vocab = engine.arch.vocab_size
