@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_bias
+from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import decode_attention, prefill_attention
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.kernels.support import KernelSupport
+from tests.support.kernel_cases import prefill_case
 from tests.support.paged_driver import PagedDriver
 
 ops = cpu_ops()
@@ -98,22 +99,8 @@ def test_decode_attention_matches_reference(dtype, tol, num_heads, num_kv_heads,
 
 
 def _prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size, seed=0):
-    """Random pools and queries for prefill segments given as (S0, m), each on its own
-    shuffled blocks, laid out in the flat batch one after another."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(s0 + m) // block_size) for s0, m in segments) + 3
-    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).bfloat16()
-    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).bfloat16()
-    q = torch.randn(sum(m for _, m in segments), num_heads, head_dim, generator=g).bfloat16()
-    order, used, start, prefills = torch.randperm(num_blocks, generator=g), 0, 0, []
-    for s0, m in segments:
-        n = -(-(s0 + m) // block_size)
-        blocks = order[used : used + n]
-        used += n
-        slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).reshape(-1)[: s0 + m]
-        bias = rectangular_causal_bias(s0, m, torch.float32) if s0 else None
-        prefills.append(PrefillSegment(start, m, s0, slots, bias))
-        start += m
+    """tests/support/kernel_cases.py's pools and queries, with the segments as the metadata the kernel takes."""
+    q, k, v, prefills = prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size, seed)
     return q, k, v, AttentionMetadata(None, 0, None, None, None, None, prefills)
 
 

@@ -16,26 +16,11 @@ import torch
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.model import quant_formats as qf
 from kvserve.model.linear_methods.cpu_quant import kernel_segments
+from tests.support.kernel_cases import quantized_weight
 from tests.support.kquants import random_k_blocks
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
-
-
-def _weights(kind: str, n: int, k: int, seed: int = 0) -> qf.QuantizedWeight:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.05
-    if kind == "int8-channel":
-        return qf.quantize_int8_per_channel(w)
-    if kind == "q8":
-        return qf.quantize_q8_blocks(w, "test")
-    if kind == "q4_min":
-        return qf.quantize_int4_blocks(w)
-    import gguf
-
-    qtype = {"q4": "Q4_0", "q8_min": "Q5_1"}[kind]
-    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
-    return qf.from_gguf(qtype, raw, n, k)
 
 
 KINDS = ["q8", "int8-channel", "q4", "q4_min", "q8_min"]
@@ -57,7 +42,7 @@ def _int8_reference(x: torch.Tensor, w: qf.QuantizedWeight) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
 def test_matches_reference(kind, rows):
-    w = _weights(kind, 96, 576)
+    w = quantized_weight(kind, 96, 576)
     x = (torch.randn(rows, 576, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     y = ops.quant_linear(x, kernel_segments(ops, w)).double()
     exact = _int8_reference(x, w)
@@ -70,7 +55,7 @@ def test_matches_reference(kind, rows):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
-    w = _weights(kind, 64, 320)
+    w = quantized_weight(kind, 64, 320)
     segs = kernel_segments(ops, w)
     x = torch.randn(130, 320, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     alone = torch.cat([ops.quant_linear(x[i : i + 1], segs) for i in range(x.shape[0])])
@@ -80,7 +65,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
 
 
 def test_mixed_segments_bias_and_fp32_input():
-    a, b = _weights("q4", 32, 256, seed=3), _weights("q8", 48, 256, seed=4)
+    a, b = quantized_weight("q4", 32, 256, seed=3), quantized_weight("q8", 48, 256, seed=4)
     both = qf.QuantizedWeight.cat([a, b])
     assert [s.kind for s in both.segments] == ["q4", "q8"]
     g = torch.Generator().manual_seed(7)
@@ -101,10 +86,10 @@ def test_each_row_on_its_own_weight_is_that_row_alone_bitwise(rows, float_x, flo
     quant_linear(x[r:r+1], W_r), every format mixed in one call, a weight of two segments too."""
     k, n = 256, 48
     kinds = [KINDS[r % len(KINDS)] for r in range(rows)]
-    weights = [_weights(kind, n, k, seed=10 + r) for r, kind in enumerate(kinds)]
-    weights[0] = qf.QuantizedWeight.cat([_weights("q4", 32, k, seed=3), _weights("q8", 16, k, seed=4)])
+    weights = [quantized_weight(kind, n, k, seed=10 + r) for r, kind in enumerate(kinds)]
+    weights[0] = qf.QuantizedWeight.cat([quantized_weight("q4", 32, k, seed=3), quantized_weight("q8", 16, k, seed=4)])
     if rows > 1:
-        weights[1] = _k_weights("Q4_K", n, k, seed=5)
+        weights[1] = quantized_weight("Q4_K", n, k, seed=5)
     per_row = [kernel_segments(ops, w) for w in weights]
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
     x = x if float_x else x.to(torch.bfloat16)
@@ -115,7 +100,7 @@ def test_each_row_on_its_own_weight_is_that_row_alone_bitwise(rows, float_x, flo
 
 
 def test_rows_on_their_own_weights_refuse_mismatched_shapes():
-    a, b = kernel_segments(ops, _weights("q4", 48, 64)), kernel_segments(ops, _weights("q4", 32, 64))
+    a, b = kernel_segments(ops, quantized_weight("q4", 48, 64)), kernel_segments(ops, quantized_weight("q4", 32, 64))
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="every row's weight needs 48 outputs, one has 32"):
         ops.quant_linear_rows(x, [a, b])
@@ -124,7 +109,7 @@ def test_rows_on_their_own_weights_refuse_mismatched_shapes():
 
 
 def test_stacked_weights_keep_their_segments_without_copying():
-    a, b = _weights("q4_min", 32, 64, seed=5), _weights("q4_min", 16, 64, seed=6)
+    a, b = quantized_weight("q4_min", 32, 64, seed=5), quantized_weight("q4_min", 16, 64, seed=6)
     both = qf.QuantizedWeight.cat([a, b])
     assert both.shape == (48, 64) and both.segments[0].codes is a.segments[0].codes
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
@@ -132,7 +117,7 @@ def test_stacked_weights_keep_their_segments_without_copying():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows_are_the_dequantized_rows(kind):
-    w = _weights(kind, 64, 96)
+    w = quantized_weight(kind, 64, 96)
     ids = torch.tensor([0, 17, 63, 17])
     rows = ops.quant_embedding(ids, kernel_segments(ops, w), 96, torch.float32)
     assert torch.equal(rows, w.dequantize()[ids])
@@ -143,15 +128,10 @@ def test_embedding_rows_are_the_dequantized_rows(kind):
 K_QUANTS = ["Q4_K", "Q6_K", "Q6_K-full-range"]
 
 
-def _k_weights(name: str, n: int, k: int, seed: int = 0) -> qf.QuantizedWeight:
-    type_name = name.split("-")[0]
-    return qf.from_gguf(type_name, random_k_blocks(type_name, n, k, seed, full_range=name.endswith("full-range")), n, k)
-
-
 @pytest.mark.parametrize("name", K_QUANTS)
 @pytest.mark.parametrize("rows", [1, 3, 9, 70])
 def test_k_quants_match_reference(name, rows):
-    w = _k_weights(name, 48, 768)
+    w = quantized_weight(name, 48, 768)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = ops.quant_linear(x, kernel_segments(ops, w), None, True).double()
     exact = _int8_reference(x, w)
@@ -175,7 +155,7 @@ def test_q6_k_extremes_stay_exact_in_the_integer_sums():
 
 @pytest.mark.parametrize("name", K_QUANTS)
 def test_k_quants_rows_do_not_depend_on_the_other_rows(name):
-    segs = kernel_segments(ops, _k_weights(name, 32, 512))
+    segs = kernel_segments(ops, quantized_weight(name, 32, 512))
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     alone = torch.cat([ops.quant_linear(x[i : i + 1], segs) for i in range(x.shape[0])])
     for rows in (3, 9, 64, 70):
@@ -194,13 +174,13 @@ def test_k_quant_embedding_rows_are_gguf_s_own(name):
 
 
 def test_k_quants_refuse_depths_off_their_super_blocks():
-    segs = kernel_segments(ops, _k_weights("Q4_K", 16, 512))
+    segs = kernel_segments(ops, quantized_weight("Q4_K", 16, 512))
     with pytest.raises(RuntimeError, match="codes must be"):
         ops.quant_linear(torch.zeros(1, 256, dtype=torch.bfloat16), segs)
 
 
 def test_shapes_off_the_grid_are_refused():
-    w = _weights("q8", 32, 64)
+    w = quantized_weight("q8", 32, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.quant_linear(torch.zeros(1, 48, dtype=torch.bfloat16), kernel_segments(ops, w))
     with pytest.raises(RuntimeError, match="codes must be"):
