@@ -33,7 +33,7 @@ from kvserve.model.layers import RMSNorm
 from tests.support.kquants import random_k_blocks
 
 FAMILIES = (
-    "gemv_rowmajor", "gemm_tiles", "quant_linear", "quant_embedding", "decode_attention", "prefill_attention",
+    "gemv_rowmajor", "gemm_tiles", "quant_linear", "quant_linear_rows", "quant_embedding", "decode_attention", "prefill_attention",
     "shared_prefix_attention", "merge_attention_states", "rms_norm", "rope_and_cache", "rope_and_cache_int8",
     "silu_and_mul", "gelu_tanh_and_mul", "argmax_rows",
 )  # fmt: skip
@@ -887,9 +887,34 @@ def argmax_cases(s: Suite) -> None:
                 ck.same(res[cid]["out"], t.argmax(dim=-1), f"{name} against torch.argmax")
 
 
+def quant_rows_cases(s: Suite) -> None:
+    """quant_linear_rows (a token's k routed experts' down projections): row r against its own
+    weight, every format in one call; each row's bits those of quant_linear on it alone."""
+    kinds = ["q4", "q8", "Q4_K", "q4_min", "int8-channel", "Q6_K", "q8_min"]
+    n, k = 48, 512
+    weights = [quantized_weight(kind, n, k, seed=20 + r) for r, kind in enumerate(kinds)]
+    for x_dtype, y_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
+        x = torch.randn(len(kinds), k, generator=_gen(9)).to(x_dtype)
+        params, arrays = _segment_arrays(qf.QuantizedWeight.cat(weights))
+        first = torch.tensor([0] + [len(w.segments) for w in weights]).cumsum(0)
+        params.update(R=len(kinds), K=k, x_bf16=int(x_dtype == torch.bfloat16), y_bf16=int(y_dtype == torch.bfloat16))
+        name = f"{len(kinds)} rows, each its own weight, x {x_dtype} y {y_dtype}"
+        rows = s.add("quant_linear_rows", name, params, dict(x=x, first=first, **arrays),
+                     dict(y=torch.zeros(len(kinds), n, dtype=y_dtype)))  # fmt: skip
+        alone = [_ql(s, f"{kind} row {r} alone ({name})", w, x[r : r + 1], y_dtype) for r, (kind, w) in enumerate(zip(kinds, weights))]
+        exact = torch.cat([_int8_reference(x[r : r + 1], w) for r, w in enumerate(weights)])
+
+        @s.check("quant_linear_rows")
+        def _(res, ck, rows=rows, alone=alone, exact=exact, name=name):
+            y = res[rows]["y"]
+            ck.close(y.double(), exact, 1e-3 * exact.abs().max().item(), 2**-7, f"{name}: against the exact int8 reference")
+            for r, cid in enumerate(alone):
+                ck.same(y[r], res[cid]["y"][0], f"{name}: row {r} against quant_linear on it alone")
+
+
 def build_suite() -> Suite:
     s = Suite()
-    for make in (gemv_cases, quant_cases, decode_cases, prefill_cases, shared_prefix_cases, merge_cases, norm_cases,
+    for make in (gemv_cases, quant_cases, quant_rows_cases, decode_cases, prefill_cases, shared_prefix_cases, merge_cases, norm_cases,
                  rope_cases, act_cases, argmax_cases):  # fmt: skip
         make(s)
     return s

@@ -121,6 +121,13 @@ void run(const Case& c) {
     std::unique_ptr<char, FreeDeleter> scratch(static_cast<char*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
     core::quant::quant_linear(c.at<void>("x"), c.b("x_bf16"), M, K, segs.data(), static_cast<int64_t>(segs.size()),
                               c.opt<uint16_t>("bias"), c.at<void>("y"), c.b("y_bf16"), scratch.get());
+  } else if (f == "quant_linear_rows") {
+    const auto segs = segments(c);
+    const int64_t R = c.i("R"), K = c.i("K");
+    const size_t bytes = core::quant::quant_linear_scratch_bytes(R, K);
+    std::unique_ptr<char, FreeDeleter> scratch(static_cast<char*>(std::aligned_alloc(64, (bytes + 64) / 64 * 64)));
+    core::quant::quant_linear_rows(c.at<void>("x"), c.b("x_bf16"), R, K, segs.data(), c.at<int64_t>("first"),
+                                   c.at<void>("y"), c.b("y_bf16"), scratch.get());
   } else if (f == "quant_embedding") {
     const auto segs = segments(c);
     core::quant::quant_embedding(c.at<int64_t>("ids"), c.i("T"), segs.data(), static_cast<int64_t>(segs.size()), c.i("K"),
