@@ -72,7 +72,9 @@ def machine_arch(machine: str | None = None) -> str | None:
 
 
 def level_arch(level: str) -> str:
+    """The architecture whose level `level` is (a name from LEVELS)."""
     return next(arch for arch, levels in ARCH_LEVELS.items() if level in levels)
+
 
 ENV_VAR = "KVSERVE_CPU_ISA"
 

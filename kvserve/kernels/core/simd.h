@@ -18,7 +18,7 @@
 // kernel asks this header's constexpr flags (kBf16Dot, kVnniDot) and keeps both tile shapes
 // in its one source. The ARM levels keep kBf16Dot off: BFDOT/BFMMLA round their products
 // differently from VDPBF16PS and from the widening path (round-to-odd, flushed denormals, by
-// implementation), and the widening path is exact and as fast per weight byte on NEON.
+// implementation), and the widening path is exact; what BFDOT would gain is not measured.
 //
 // bf16 values are raw uint16_t (the top half of an fp32); rounding to bf16 is to nearest even,
 // as torch rounds.
