@@ -111,6 +111,14 @@ class QuantSegment(Protocol):
         """The K-quants' per-block scales, uint8 [N/16, K/32, 32] (kernels/layouts.py); None otherwise."""
 
 
+class MoeExperts(Protocol):
+    """A layer's routed experts as moe_token reads them: each expert's quantized [gate; up] and down segments."""
+
+    def __init__(
+        self, gate_up: Sequence[Sequence[QuantSegment]], down: Sequence[Sequence[QuantSegment]], float_out: bool = False
+    ) -> None: ...
+
+
 class DecodeLayer(Protocol):
     """One decoder layer's RMSNorm weights and projections, as decode_layers runs them."""
 
@@ -301,6 +309,7 @@ class CpuOps(Protocol):
 
     Projection: type[Projection]
     QuantSegment: type[QuantSegment]
+    MoeExperts: type[MoeExperts]
     QUANT_Q8: int
     QUANT_Q4: int
     QUANT_Q4_MIN: int
@@ -357,6 +366,13 @@ class CpuOps(Protocol):
     ) -> torch.Tensor:
         """y[r] = x[r] @ W_r.T, W_r = per_row[r]'s segments stacked by rows (the same out features for every
         row, no bias), in one parallel pass; row r's bits are quant_linear(x[r:r+1], per_row[r])'s."""
+
+    def moe_token(
+        self, x: torch.Tensor, router: torch.Tensor, experts: MoeExperts, top_k: int, norm_topk_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token [1, d]'s routed experts: the fp32 router's top k (softmax, then renormalised where
+        norm_topk_prob), their [gate; up] in one quant_linear, silu·up, the downs in one quant_linear_rows,
+        the fp32 sum in expert order; (out [1, d] fp32, the experts run in index order). moe.py's one-token path."""
 
     def quant_embedding(
         self, ids: torch.Tensor, segments: Sequence[QuantSegment], in_features: int, dtype: torch.dtype

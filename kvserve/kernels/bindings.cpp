@@ -98,6 +98,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("segments"), py::arg("bias") = py::none(), py::arg("float_out") = false);
   m.def("quant_linear_rows", &quant_linear_rows, "y[r] = x[r] @ W_r.T, each row its own block-quantized weight",
         py::arg("x"), py::arg("per_row"), py::arg("float_out") = false);
+  py::class_<MoeExperts>(m, "MoeExperts", py::module_local(), "a layer's routed experts' quantized segments (kernels.h)")
+      .def(py::init([](const std::vector<std::vector<QuantSegment>>& gate_up,
+                       const std::vector<std::vector<QuantSegment>>& down, bool float_out) {
+             TORCH_CHECK(gate_up.size() == down.size(), "MoeExperts: ", gate_up.size(), " [gate; up] for ", down.size(), " downs");
+             return MoeExperts{gate_up, down, float_out};
+           }),
+           py::arg("gate_up"), py::arg("down"), py::arg("float_out") = false);
+  m.def("moe_token", &moe_token, "one token's routed experts: route, [gate; up], silu, down, the weighted sum",
+        py::arg("x"), py::arg("router"), py::arg("experts"), py::arg("top_k"), py::arg("norm_topk_prob"));
   m.def("quant_embedding", &quant_embedding, "rows `ids` of the block-quantized W, dequantized", py::arg("ids"),
         py::arg("segments"), py::arg("in_features"), py::arg("dtype"));
   m.attr("QUANT_Q8") = kQuantQ8;

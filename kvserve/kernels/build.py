@@ -1,8 +1,8 @@
 """What each kernel build compiles, with which flags, and where it is cached.
 
 One build per ISA level (kvserve/kernels/isa.py), every one from the same sources: the torch
-glue (bindings.cpp, linear.cpp, fused_decode.cpp, shared_prefix_decode.cpp, families.cpp,
-checks.cpp: no intrinsics), the torch-free kernel core (core/: one source per op family on raw
+glue (bindings.cpp, linear.cpp, fused_decode.cpp, shared_prefix_decode.cpp, moe_token.cpp,
+families.cpp, checks.cpp: no intrinsics), the torch-free kernel core (core/: one source per op family on raw
 pointers, written in core/simd.h's vocabulary, which maps it onto the level's instructions) and
 its thin torch layer (ops/: one file per family). The `amx` level adds the one family only
 it has (core/amx/, ops/amx/: the AMX tile GEMM), in place of ops/absent.cpp's refusals. The
@@ -30,7 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 
-_GLUE = ("bindings.cpp", "linear.cpp", "fused_decode.cpp", "shared_prefix_decode.cpp", "families.cpp", "checks.cpp")
+_GLUE = ("bindings.cpp", "linear.cpp", "fused_decode.cpp", "shared_prefix_decode.cpp", "moe_token.cpp", "families.cpp",
+         "checks.cpp")
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 
 

@@ -265,6 +265,21 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<QuantSegment>& w,
 // parallel pass; row r's bits are quant_linear(x[r:r+1], per_row[r])'s. A token's routed experts.
 at::Tensor quant_linear_rows(const at::Tensor& x, const std::vector<std::vector<QuantSegment>>& per_row,
                              bool float_out = false);
+// ---- moe_token.cpp ------------------------------------------------------------------------
+
+// A mixture of experts' routed experts, each as its quantized [gate; up] and down segments
+// (built once per layer at load): what moe_token reads.
+struct MoeExperts {
+  std::vector<std::vector<QuantSegment>> gate_up, down;
+  bool float_out = false;  // the downs' results in fp32 (else x's dtype)
+};
+
+// One token x [1, d]: its top_k experts (fp32 router [E, d], softmax then top k, renormalised
+// where norm_topk_prob), their silu(gate)·up and down, summed in fp32 in expert order weighted
+// by the router: (out [1, d] fp32, the experts run [k] in index order). moe.py's one-token path.
+std::tuple<at::Tensor, at::Tensor> moe_token(const at::Tensor& x, const at::Tensor& router, const MoeExperts& experts,
+                                             int64_t top_k, bool norm_topk_prob);
+
 // Rows `ids` of W dequantized ([T, K] in `dtype`): the embedding lookup of a quantized table.
 at::Tensor quant_embedding(const at::Tensor& ids, const std::vector<QuantSegment>& w, int64_t K, at::ScalarType dtype);
 int64_t quant_out_features(const std::vector<QuantSegment>& w);

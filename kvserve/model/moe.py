@@ -74,6 +74,7 @@ class SparseMoE(nn.Module):
             gate = w.pop(f"{prefix}.shared_expert_gate.weight").float().reshape(1, -1)
             self.shared_expert_gate = nn.Parameter(gate, requires_grad=False)
         self._expert_bytes: list[int] | None = None  # each expert's, once its weights are processed
+        self._token_experts = None  # (ops, ops.MoeExperts) for moe_token, False where it cannot run, once decided
         self._all_bytes = 0
 
     def expert_bytes(self, e: int) -> int:
@@ -99,6 +100,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
+        if tokens == 1 and self._token_kernel() is not None:  # batch-1 decode, the whole layer in C++
+            ops, experts = self._token_kernel()
+            out, chosen = ops.moe_token(x, self.router, experts, self.top_k, self.norm_topk_prob)
+            self._count(self.top_k, sum(self.expert_bytes(e) for e in chosen.tolist()))
+            return self._add_shared(x, out)
         weights, chosen = self.route(x)
         if tokens == 1:  # batch-1 decode: the k experts in index order, the same sums as below without the sort
             return self._one_token(x, weights, chosen)
@@ -134,6 +140,23 @@ class SparseMoE(nn.Module):
             read += self.expert_bytes(e)
         self._count(len(pairs), read)
         return self._add_shared(x, out)
+
+    def _token_kernel(self):
+        """(ops, ops.MoeExperts) where every expert is on the quantized kernels with the silu
+        kernel (then kernels/moe_token.cpp runs one token's layer: the same ops as
+        _one_token, without the Python between them), else None. Decided once."""
+        if self._token_experts is None:
+            ups = [m.gate_up for m in self.experts]
+            downs = [m.down for m in self.experts]
+            quant = all(isinstance(lin.method, CpuQuantLinearMethod) and lin.method.segments and lin.bias is None
+                        for lin in ups + downs)  # fmt: skip
+            method = ups[0].method
+            if quant and method.silu_ops is not None and not downs[0].method.float_out:
+                ops = method.ops
+                self._token_experts = (ops, ops.MoeExperts([u.method.segments for u in ups], [d.method.segments for d in downs]))
+            else:
+                self._token_experts = False
+        return self._token_experts or None
 
     def _gate_up_at_once(self, experts: list[int], x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate)·up [k, F] of one token's k experts in one quant_linear call over their

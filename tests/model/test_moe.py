@@ -168,12 +168,14 @@ def test_a_step_runs_only_the_chosen_experts(model_dirs, variant):
     assert sorted(calls) == sorted(set(chosen.flatten().tolist()))
 
 
-@pytest.mark.parametrize("quant_type", ["Q8_0", "Q4_0"])
-def test_a_quantized_experts_row_is_the_same_however_many_tokens_share_it(model_dirs, tmp_path, quant_type):
-    """Quantized experts on quant_linear (bf16): a token's output alone equals its row in a batch
-    where other tokens share its experts, bit for bit; and near the plain-torch reference of the
-    same quantized weights (the file dequantized, fp32)."""
-    path = str(write_gguf(Path(model_dirs["qwen2-moe"]), tmp_path / f"m-{quant_type}.gguf", "qwen2moe", quant_type))
+@pytest.mark.parametrize("variant, quant_type", [("qwen2-moe", "Q8_0"), ("qwen2-moe", "Q4_0"), ("qwen3-moe", "Q4_0")])
+def test_a_quantized_experts_row_is_the_same_however_many_tokens_share_it(model_dirs, tmp_path, variant, quant_type):
+    """Quantized experts on quant_linear (bf16): a token's output alone (one C++ call,
+    kernels/moe_token.cpp) equals its row in a batch where other tokens share its experts, and
+    the Python one-token path, bit for bit; and near the plain-torch reference of the same
+    quantized weights (the file dequantized, fp32). Qwen2-MoE: a shared expert, no
+    renormalisation; Qwen3-MoE: the top k renormalised."""
+    path = str(write_gguf(Path(model_dirs[variant]), tmp_path / f"m-{quant_type}.gguf", GGUF_ARCH[variant], quant_type))
     engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="8MiB"))
     if not engine.model.kernels.quant_linear.enabled:
         pytest.skip(f"quant_linear is off here: {engine.model.kernels.quant_linear.reason}")
@@ -186,6 +188,13 @@ def test_a_quantized_experts_row_is_the_same_however_many_tokens_share_it(model_
     _, chosen = moe.route(x)
     assert len(set(chosen.flatten().tolist())) < chosen.numel()  # experts shared between tokens
     assert torch.equal(batched, alone)
+    assert moe._token_kernel() is not None  # the alone rows ran moe_token
+    counted = moe.counts.snapshot()
+    moe._token_experts = False  # the Python one-token path: the same ops, one at a time
+    python = torch.cat([moe(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(python, alone)
+    after = moe.counts.snapshot()
+    assert after[0] - counted[0] == x.shape[0] * engine.arch.num_experts_per_tok  # both paths count alike
     plain = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="8MiB", quantization="none", cpu_kernels=False))
     reference = _moe_layer(plain)(x.float())
     cos = torch.nn.functional.cosine_similarity(batched.float().flatten(), reference.flatten(), dim=0)

@@ -1,0 +1,53 @@
+// One token's routed experts in one C++ call (kvserve/model/moe.py SparseMoE, batch-1 decode):
+// the router's top k in fp32, the k experts' [gate; up] as one quant_linear over their stacked
+// segments, silu·up, the k down projections as one quant_linear_rows, and the weighted sum in
+// expert order. The same ATen ops and kernels, in the same order, as moe.py's Python path for
+// one token (so the same bits, which tests/model/test_moe.py holds); what it saves is the
+// Python between them, where the second thread waited a third of a decode step.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "kernels.h"
+
+std::tuple<at::Tensor, at::Tensor> moe_token(const at::Tensor& x, const at::Tensor& router, const MoeExperts& experts,
+                                             int64_t top_k, bool norm_topk_prob) {
+  const int64_t E = static_cast<int64_t>(experts.gate_up.size());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "moe_token: x must be [1, d]");
+  TORCH_CHECK(router.dim() == 2 && router.size(0) == E && router.scalar_type() == at::kFloat,
+              "moe_token: the router must be fp32 [experts, d] with one row per expert");
+  TORCH_CHECK(static_cast<int64_t>(experts.down.size()) == E && 0 < top_k && top_k <= E, "moe_token: top_k ", top_k,
+              " of ", E, " experts");
+  // moe.py route(): softmax over all experts in fp32, the top k, renormalised where asked
+  auto [weights, chosen] = at::topk(at::softmax(at::linear(x.to(at::kFloat), router), -1), top_k, -1);
+  if (norm_topk_prob) weights = weights.div(weights.sum({-1}, true));
+  weights = weights.contiguous();
+  chosen = chosen.contiguous();
+  const float* w = weights.data_ptr<float>();
+  const int64_t* ids = chosen.data_ptr<int64_t>();
+  // the experts in index order, as moe.py sorts them (and as the batched path meets them)
+  std::vector<int64_t> order(static_cast<size_t>(top_k));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  std::vector<QuantSegment> gate_up;
+  std::vector<std::vector<QuantSegment>> down;
+  at::Tensor sorted = at::empty({top_k}, chosen.options());
+  for (int64_t j = 0; j < top_k; ++j) {
+    const int64_t e = ids[order[j]];
+    sorted.data_ptr<int64_t>()[j] = e;
+    gate_up.insert(gate_up.end(), experts.gate_up[e].begin(), experts.gate_up[e].end());
+    down.push_back(experts.down[e]);
+  }
+  const at::Tensor hidden = silu_and_mul(quant_linear(x, gate_up, c10::nullopt, false).view({top_k, -1}));
+  const at::Tensor y = quant_linear_rows(hidden, down, experts.float_out);
+  at::Tensor out = at::zeros({1, x.size(1)}, x.options().dtype(at::kFloat));
+  for (int64_t j = 0; j < top_k; ++j)  // out += y_j · w_j, a double scalar as Python passes its float
+    out.add_(y.narrow(0, j, 1).to(at::kFloat).mul(static_cast<double>(w[order[j]])));
+  return {out, sorted};
+}
