@@ -100,8 +100,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
-        if tokens == 1 and self._token_kernel() is not None:  # batch-1 decode, the whole layer in C++
-            ops, experts = self._token_kernel()
+        kernel = self._token_kernel() if tokens == 1 else None
+        if kernel is not None:  # batch-1 decode, the whole layer in C++
+            ops, experts = kernel
             out, chosen = ops.moe_token(x, self.router, experts, self.top_k, self.norm_topk_prob)
             self._count(self.top_k, sum(self.expert_bytes(e) for e in chosen.tolist()))
             return self._add_shared(x, out)
@@ -130,12 +131,11 @@ class SparseMoE(nn.Module):
         pairs = sorted(zip(chosen[0].tolist(), weights[0].tolist()))
         experts = [e for e, _ in pairs]
         hidden = self._gate_up_at_once(experts, x)
-        downs = None if hidden is None else self._down_at_once(experts, hidden)
         out = torch.zeros(1, x.shape[1], dtype=torch.float32)
         read = 0
         for j, (e, w) in enumerate(pairs):
             mlp = self.experts[e]
-            y = mlp(x) if hidden is None else downs[j : j + 1] if downs is not None else mlp.down(hidden[j : j + 1])
+            y = mlp(x) if hidden is None else mlp.down(hidden[j : j + 1])
             out += y.float() * w
             read += self.expert_bytes(e)
         self._count(len(pairs), read)
@@ -173,17 +173,6 @@ class SparseMoE(nn.Module):
             return method.silu_ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
-
-    def _down_at_once(self, experts: list[int], hidden: torch.Tensor) -> torch.Tensor | None:
-        """The k experts' down projections of their own rows of `hidden` [k, F] in one
-        quant_linear_rows call (each row's bits are its expert's own call's: one pass over all k
-        weights instead of k forks and joins of the threads on 1-2 MB each); None where the
-        downs are not all on the quantized kernels."""
-        lins = [self.experts[e].down for e in experts]
-        if not all(isinstance(lin.method, CpuQuantLinearMethod) and lin.method.segments and lin.bias is None for lin in lins):
-            return None
-        method = lins[0].method
-        return method.ops.quant_linear_rows(hidden, [lin.method.segments for lin in lins], float_out=method.float_out)
 
     def _count(self, touched: int, read: int) -> None:
         counts = self.counts

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import torch
 from kvserve.kernels import build as kernel_build
 from kvserve.paths import cache_root
 from tests.kernels.core_fixtures import FAMILIES, Results, Suite, bits, build_suite
+from tests.support import arm_emulation
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).parent / "cpp" / "core_driver.cpp"
@@ -41,9 +40,9 @@ CORE = ROOT / "kvserve" / "kernels" / "core"
 # core does not use it)
 LEVELS = {
     "avx2-native": ("c++", "avx2", []),
-    "neon": ("aarch64-linux-gnu-g++", "neon", ["qemu-aarch64", "-cpu", "cortex-a53"]),
-    "neon-dotprod": ("aarch64-linux-gnu-g++", "neon-dotprod", ["qemu-aarch64", "-cpu", "neoverse-n1"]),
-    "neon-i8mm": ("aarch64-linux-gnu-g++", "neon-i8mm", ["qemu-aarch64", "-cpu", "max,sve=off"]),
+    "neon": (arm_emulation.ARM_CXX, "neon", [arm_emulation.QEMU, "-cpu", "cortex-a53"]),
+    "neon-dotprod": (arm_emulation.ARM_CXX, "neon-dotprod", [arm_emulation.QEMU, "-cpu", "neoverse-n1"]),
+    "neon-i8mm": (arm_emulation.ARM_CXX, "neon-i8mm", [arm_emulation.QEMU, "-cpu", "max,sve=off"]),
 }  # fmt: skip
 # families whose x86 code takes _mm256_rcp_ps's estimate (refined by a Newton step), where the ARM
 # vocabulary starts from the exact 1/x: the two agree to ~1e-7, not bit for bit
@@ -51,20 +50,8 @@ RECIPROCAL_ESTIMATE = ("silu_and_mul", "gelu_tanh_and_mul")
 
 
 def _why_not(level: str) -> str | None:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"needs an x86-64 host (the avx2 reference run and the cross toolchain), this is {platform.machine()}"
     compiler, _, runner = LEVELS[level]
-    for tool in [compiler, *runner[:1]]:
-        if shutil.which(tool) is None:
-            return f"{tool} not found"
-    if not runner:
-        try:
-            flags = set(Path("/proc/cpuinfo").read_text().split())
-        except OSError:
-            flags = set()
-        if not {"avx2", "fma", "f16c"} <= flags:
-            return "this x86 CPU lacks AVX2/FMA/F16C"
-    return None
+    return arm_emulation.why_not(compiler, *runner[:1], native=not runner)
 
 
 def _command(level: str, out: Path) -> list[str]:

@@ -156,9 +156,9 @@ _REPRESENTATIVE = {"avx2": "core/quant_linear_core.cpp", "avx512-vnni": "core/qu
                    "avx512-bf16": "core/gemv_core.cpp", "amx": "core/amx/amx_linear_core.cpp"}
 
 
-def _objdump(path: str) -> list[str]:
+def _objdump(path: str, tool: str = "objdump") -> list[str]:
     # -w: each instruction on one line, its bytes first (the EVEX check reads them)
-    out = subprocess.run(["objdump", "-d", "-w", path], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([tool, "-d", "-w", path], check=True, capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "\t" in line]
 
 
@@ -196,11 +196,14 @@ def test_a_build_holds_no_instruction_above_its_level(level, tmp_path_factory):
         forbidden.append(("AVX512-BF16", _BF16))
     if level != "amx":
         forbidden.append(("AMX", _AMX))
+    _assert_instructions(level, lines, forbidden, {"avx512-vnni": _VNNI, "avx512-bf16": _BF16, "amx": _AMX}.get(level))
+
+
+def _assert_instructions(level: str, lines: list[str], forbidden: list[tuple[str, re.Pattern]], own: re.Pattern | None):
+    """None of the forbidden instructions, and (the flags in force) the level's own where it has one."""
     for what, pattern in forbidden:
         hits = [line for line in lines if pattern.search(line)]
         assert not hits, f"the {level} build holds {len(hits)} {what} instructions, e.g. {hits[:3]}"
-    # and the flags are in force: each level's own instructions are there
-    own = {"avx512-vnni": _VNNI, "avx512-bf16": _BF16, "amx": _AMX}.get(level)
     if own is not None:
         assert any(own.search(line) for line in lines), f"the {level} build uses none of its level's instructions"
 
@@ -268,17 +271,11 @@ def test_an_arm_build_holds_no_instruction_above_its_level(level, tmp_path):
         cmd = [_ARM_CXX, "-std=c++17", *build.cflags, "-c", str(HERE / source), "-o", str(obj)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
-        out = subprocess.run([_ARM_OBJDUMP, "-d", "-w", str(obj)], check=True, capture_output=True, text=True).stdout
-        lines += [line for line in out.splitlines() if "\t" in line]
+        lines += _objdump(str(obj), _ARM_OBJDUMP)
     assert len(lines) > 1000
     forbidden = [("SVE", _SVE), ("BF16 (BFDOT/BFMMLA)", _ARM_BF16)]
     if level == "neon":
         forbidden.append(("dot-product (SDOT/UDOT)", _SDOT))
     if level != "neon-i8mm":
         forbidden.append(("I8MM (USDOT/SMMLA)", _I8MM))
-    for what, pattern in forbidden:
-        hits = [line for line in lines if pattern.search(line)]
-        assert not hits, f"the {level} build holds {len(hits)} {what} instructions, e.g. {hits[:3]}"
-    own = {"neon-dotprod": _SDOT, "neon-i8mm": _I8MM}.get(level)
-    if own is not None:
-        assert any(own.search(line) for line in lines), f"the {level} build uses none of its level's instructions"
+    _assert_instructions(level, lines, forbidden, {"neon-dotprod": _SDOT, "neon-i8mm": _I8MM}.get(level))

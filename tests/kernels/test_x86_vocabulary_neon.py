@@ -9,13 +9,13 @@ as the exact 1/x where x86 gives a ~12-bit estimate: its lanes must be the IEEE 
 
 from __future__ import annotations
 
-import platform
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.support import arm_emulation
 
 SRC = Path(__file__).parent / "cpp" / "x86_vocabulary_test.cpp"
 # -ffp-contract=off: the test is about the intrinsics, not where a compiler fuses a·b+c
@@ -23,18 +23,7 @@ FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off"]
 
 
 def _why_not() -> str | None:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"needs an x86-64 host for the reference outputs (this is {platform.machine()})"
-    for tool in ("c++", "aarch64-linux-gnu-g++", "qemu-aarch64"):
-        if shutil.which(tool) is None:
-            return f"{tool} not found"
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    if not {"avx2", "fma", "f16c"} <= flags:
-        return "this x86 CPU lacks AVX2/FMA/F16C, which the reference binary executes"
-    return None
+    return arm_emulation.why_not("c++", arm_emulation.ARM_CXX, arm_emulation.QEMU)
 
 
 def _rcp_mismatches(x86_line: str, arm_line: str) -> str | None:
@@ -65,7 +54,7 @@ def test_neon_vocabulary_matches_x86(tmp_path):
     x86, arm = tmp_path / "vocab_x86", tmp_path / "vocab_arm"
     builds = [
         subprocess.Popen(["c++", *FLAGS, "-march=x86-64-v3", str(SRC), "-o", str(x86)], stderr=subprocess.PIPE, text=True),
-        subprocess.Popen(["aarch64-linux-gnu-g++", *FLAGS, "-static", "-march=armv8-a", str(SRC), "-o", str(arm)],
+        subprocess.Popen([arm_emulation.ARM_CXX, *FLAGS, "-static", "-march=armv8-a", str(SRC), "-o", str(arm)],
                          stderr=subprocess.PIPE, text=True),
     ]  # fmt: skip
     for b in builds:
@@ -73,7 +62,7 @@ def test_neon_vocabulary_matches_x86(tmp_path):
         assert b.returncode == 0, f"{' '.join(b.args[:1])} failed:\n{err[-4000:]}"
 
     want = subprocess.run([str(x86)], capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
-    got = subprocess.run(["qemu-aarch64", "-cpu", "cortex-a53", str(arm)], capture_output=True, text=True, timeout=60,
+    got = subprocess.run([arm_emulation.QEMU, "-cpu", "cortex-a53", str(arm)], capture_output=True, text=True, timeout=60,
                          check=True).stdout.splitlines()  # fmt: skip
     assert want and want[-1].startswith("end ") and int(want[-1].split()[1]) > 30000, want[-1:]
     assert len(got) == len(want), f"{len(got)} lines from aarch64, {len(want)} from x86: {got[-1:]}"
