@@ -72,8 +72,12 @@ namespace {
 constexpr int kTileRows = 4;
 // codes this far ahead asked for as each block starts: with the hardware prefetcher alone a
 // core pulled the weights at ~10 GB/s (Llama-3.2-1B shape, Q4_0, avx2 decode: 28.5-31.2 ms a
-// step against 26.1-27.8 with 8 KiB, 27.3-28.0 with 2 KiB, alternating pairs on Zen 4)
-constexpr int64_t kPrefetchBytes = 8192;
+// step against 26.1-27.8 with 8 KiB, 27.3-28.0 with 2 KiB, alternating pairs on Zen 4). On an
+// Intel Xeon (Sapphire Rapids kind) 8 KiB ahead streamed slower than 1-2 KiB: 112 cold 1B-shape
+// Q4_0 GEMVs, 2 threads, 16.3-18.1 GB/s at 8 KiB, 4 KiB 17.5-17.8, 2 KiB 18.6-20.3, 1 KiB
+// 19.0-19.9, no prefetch (1 thread) 9.2 against 10.4-10.6; that 1B's decode 27.6-29.2 ->
+// 30.6-32.2 tok/s. 2 KiB: the best here, within Zen 4's noise of 8 KiB there.
+constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kChunkRows = 64;  // rows whose quantized x stays cache-resident while every group passes
 // below this many (row, group, block) steps the call runs on the calling thread
 constexpr int64_t kParallelMinWork = 512;
