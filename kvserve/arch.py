@@ -229,10 +229,10 @@ class ModelArchitecture:
         """None where the fused decode step (kernels/fused_decode.cpp) runs every layer as it is,
         else what it does not run. It runs Llama's layer and the options of it the other
         families name (q/k norms, Gemma's norms after each branch, GeGLU, local RoPE tables,
-        per-group KV); scaled embeddings and final soft-capping sit outside its layers."""
+        per-group KV, soft-capped attention scores); scaled embeddings and final soft-capping sit
+        outside its layers."""
         parts = [what for what, differs in (
             (f"a {self.hidden_act} MLP", self.hidden_act not in ("silu", "gelu_tanh")),
-            ("soft-capped attention scores", self.attn_logit_softcapping is not None),
             ("routed experts (mixture of experts)", self.num_experts > 0),
             ("q/k norms over the whole projection", self.qk_norm_whole),
         ) if differs]  # fmt: skip

@@ -85,7 +85,8 @@ def windowed_attention(
     """q: [T, N_q, H], the step's rows → [T, N_q, H] in q's dtype, each row within the window."""
     if rows.on_kernels and decode_ops is not None:
         out, _ = decode_ops.paged_decode_attention_lse(
-            q, k_pool, v_pool, rows.block_tables, rows.context_lens, rows.start_positions, scale, k_scale, v_scale
+            q, k_pool, v_pool, rows.block_tables, rows.context_lens, rows.start_positions, scale, k_scale, v_scale,
+            softcap or 0.0,
         )
         return out.to(q.dtype)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)

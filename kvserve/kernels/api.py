@@ -213,6 +213,7 @@ class DecodeModel(Protocol):
         v_scales: Sequence[torch.Tensor] = (),
         cos_local: torch.Tensor | None = None,
         sin_local: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> None: ...
 
     @property
@@ -270,6 +271,10 @@ class DecodeModel(Protocol):
     @property
     def sin_local(self) -> torch.Tensor | None:
         """The local layers' RoPE sines; None where no layer is local."""
+
+    @property
+    def softcap(self) -> float:
+        """The attention scores' soft-cap (Gemma 2), 0.0 where there is none."""
 
 
 class SharedPrefixLevel(Protocol):
@@ -438,9 +443,11 @@ class CpuOps(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """One new query per request over its cached positions, read from the paged pool; [B, N_q, H].
-        int8 pools come with their scales (AVX512 path, never AMX)."""
+        int8 pools come with their scales (AVX512 path, never AMX). `softcap` > 0 caps each score to
+        softcap * tanh(score / softcap) before the softmax (Gemma 2), as every attention kernel here does."""
 
     def paged_decode_attention_lse(
         self,
@@ -453,6 +460,7 @@ class CpuOps(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """paged_decode_attention over each row's positions [start_positions[b], context_lens[b]) only (the suffix
         after a shared prefix): (out [B, N_q, H] fp32, normalised; lse [B, N_q] fp32 = max + log sum exp(scale q.k)).
@@ -468,6 +476,7 @@ class CpuOps(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A group's query rows q [n, N_q, H] bf16 against the first prefix_len positions of the shared blocks
         prefix_blocks (int32 [P]), non-causal, each K/V row read once for the group: (out [n, N_q, H] fp32,
@@ -497,6 +506,7 @@ class CpuOps(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Decode attention of q [B, N_q, H] bf16 in the plan's parts: every row's suffix
         (paged_decode_attention_lse), then each level's members against its blocks (shared_prefix_attention),
@@ -514,6 +524,7 @@ class CpuOps(Protocol):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         shared: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> None:
         """Causal attention of prompt tokens over the paged pool, written into out at the segments' rows.
         int8 pools come with their scales. `shared` int64 [n, 2] (leader, shared_len): a segment's first

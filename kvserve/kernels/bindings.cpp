@@ -56,22 +56,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV pool (int8 pools with their scales)", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0);
   m.def("paged_decode_attention_lse", &paged_decode_attention_lse,
         "decode attention over positions [start, len) of each row: (out fp32, lse fp32)", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("start_positions"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0);
   m.def("shared_prefix_attention", &shared_prefix_attention,
         "a group's queries against its shared prefix blocks, each read once: (out fp32, lse fp32)", py::arg("q"),
         py::arg("k_pool"), py::arg("v_pool"), py::arg("prefix_blocks"), py::arg("prefix_len"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0);
   m.def("merge_attention_states", &merge_attention_states,
         "two attention parts merged through their log-sum-exp: (out in out_dtype, lse fp32)", py::arg("out_a"),
         py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"), py::arg("out_dtype"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prompt tokens over the paged KV pool on AMX tiles, into out (int8 pools with their scales)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("segments"), py::arg("scale"),
-        py::arg("out"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("shared") = py::none());
+        py::arg("out"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("shared") = py::none(),
+        py::arg("softcap") = 0.0);
   m.def(
       "limits",
       [] {
@@ -92,7 +93,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shared_prefix_decode_attention", &shared_prefix_decode_attention,
         "decode attention in parts by a shared-prefix plan (suffixes, then each level read once), merged in place",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("plan"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("plan"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("softcap") = 0.0);
 
   m.def("quant_linear", &quant_linear, "y = x @ W.T (+ bias) on block-quantized segments (int8 dot products)",
         py::arg("x"), py::arg("segments"), py::arg("bias") = py::none(), py::arg("float_out") = false);
@@ -185,17 +187,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        at::Tensor cos_half, at::Tensor sin_half, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, double eps, double scale, std::vector<at::Tensor> k_scales,
                        std::vector<at::Tensor> v_scales, c10::optional<at::Tensor> cos_local,
-                       c10::optional<at::Tensor> sin_local) {
+                       c10::optional<at::Tensor> sin_local, double softcap) {
+             TORCH_CHECK(softcap >= 0, "DecodeModel: softcap must be >= 0 (0: none), got ", softcap);
              TORCH_CHECK(cos_local.has_value() == sin_local.has_value(), "DecodeModel: cos_local and sin_local come together");
              return DecodeModel{std::move(layers), std::move(k_pools), std::move(v_pools), cos_half, sin_half, num_heads,
                                 num_kv_heads, head_dim, eps, scale, std::move(k_scales), std::move(v_scales),
-                                cos_local.value_or(at::Tensor()), sin_local.value_or(at::Tensor())};
+                                cos_local.value_or(at::Tensor()), sin_local.value_or(at::Tensor()), softcap};
            }),
            py::kw_only(), py::arg("layers"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos_half"),
            py::arg("sin_half"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("scale"), py::arg("k_scales") = std::vector<at::Tensor>(),
            py::arg("v_scales") = std::vector<at::Tensor>(), py::arg("cos_local") = py::none(),
-           py::arg("sin_local") = py::none())
+           py::arg("sin_local") = py::none(), py::arg("softcap") = 0.0)
       .def_readonly("layers", &DecodeModel::layers)
       .def_readonly("k_pools", &DecodeModel::k_pools)
       .def_readonly("v_pools", &DecodeModel::v_pools)
@@ -209,7 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k_scales", &DecodeModel::k_scales)
       .def_readonly("v_scales", &DecodeModel::v_scales)
       .def_property_readonly("cos_local", maybe(&DecodeModel::cos_local))
-      .def_property_readonly("sin_local", maybe(&DecodeModel::sin_local));
+      .def_property_readonly("sin_local", maybe(&DecodeModel::sin_local))
+      .def_readonly("softcap", &DecodeModel::softcap);
 
   py::class_<SharedPrefixLevel>(m, "SharedPrefixLevel", py::module_local(), "one shared level of a decode plan: member rows, blocks, positions")
       .def(py::init<at::Tensor, at::Tensor, int64_t>(), py::kw_only(), py::arg("members"), py::arg("blocks"),

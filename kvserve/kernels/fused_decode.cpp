@@ -93,14 +93,14 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
     const bool windowed = !window_starts.empty() && window_starts[l].has_value();
     if (windowed)
       attn = std::get<0>(paged_decode_attention_lse(q, model.k_pools[l], model.v_pools[l], tables, context_lens,
-                                                    *window_starts[l], model.scale, k_scale, v_scale))
+                                                    *window_starts[l], model.scale, k_scale, v_scale, model.softcap))
                  .to(q.scalar_type());
     else if (shared_prefix)
       attn = shared_prefix_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, *shared_prefix,
-                                            model.scale, k_scale, v_scale);
+                                            model.scale, k_scale, v_scale, model.softcap);
     else
       attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, model.scale, k_scale,
-                                    v_scale);
+                                    v_scale, model.softcap);
     at::Tensor o = linear(attn.view({B, num_heads * head_dim}), layer.o);
     if (layer.attn_out_norm.defined()) o = rms_norm(o, layer.attn_out_norm, eps, c10::nullopt);
     x = rms_norm(o, layer.post_attention_norm, eps, residual);

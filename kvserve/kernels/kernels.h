@@ -126,10 +126,13 @@ at::Tensor amx_linear_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::
 
 // bf16, fp32 or int8 pools; int8 pools (an int8 KV cache) come with their scales
 // [num_blocks, block_size, N_kv] fp32 (bf16 or fp32 queries); float pools take none.
+// softcap > 0: each score capped to softcap·tanh(score / softcap) before the softmax (Gemma 2's
+// attention-logit soft-capping; lse is then over the capped scores); 0: none. The same in every
+// attention kernel below.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                   at::Tensor block_tables, at::Tensor context_lens, double scale,
                                   c10::optional<at::Tensor> k_scale = c10::nullopt,
-                                  c10::optional<at::Tensor> v_scale = c10::nullopt);
+                                  c10::optional<at::Tensor> v_scale = c10::nullopt, double softcap = 0);
 // Row b over its positions [start_positions[b], context_lens[b]) only (the suffix after a shared
 // prefix; start_positions int32 [B]): (out [B, N_q, H] fp32 normalised, lse [B, N_q] fp32 =
 // max + log Σ exp(scale·q·k)); an empty range gives out 0 and lse -inf. bf16, fp32 or int8 pools
@@ -138,7 +141,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
                                                               at::Tensor block_tables, at::Tensor context_lens,
                                                               at::Tensor start_positions, double scale,
                                                               c10::optional<at::Tensor> k_scale = c10::nullopt,
-                                                              c10::optional<at::Tensor> v_scale = c10::nullopt);
+                                                              c10::optional<at::Tensor> v_scale = c10::nullopt,
+                                                              double softcap = 0);
 
 // ---- checks.cpp ---------------------------------------------------------------------------
 
@@ -170,7 +174,8 @@ void check_rope_and_cache_int8_args(const at::Tensor& qkv, const at::Tensor& pos
 std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                                            at::Tensor prefix_blocks, int64_t prefix_len, double scale,
                                                            c10::optional<at::Tensor> k_scale = c10::nullopt,
-                                                           c10::optional<at::Tensor> v_scale = c10::nullopt);
+                                                           c10::optional<at::Tensor> v_scale = c10::nullopt,
+                                                           double softcap = 0);
 // Two attention parts of the same rows merged through their log-sum-exp, in fp32: out_* [..., H]
 // fp32, lse_* [...] fp32 (-inf: an empty part, no weight; both empty give 0). Returns (out in
 // out_dtype (fp32 or bf16), merged lse fp32), so merges chain (groups within groups).
@@ -203,7 +208,7 @@ struct SharedPrefixDecodePlan {
 at::Tensor shared_prefix_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                                     at::Tensor context_lens, const SharedPrefixDecodePlan& plan, double scale,
                                     c10::optional<at::Tensor> k_scale = c10::nullopt,
-                                    c10::optional<at::Tensor> v_scale = c10::nullopt);
+                                    c10::optional<at::Tensor> v_scale = c10::nullopt, double softcap = 0);
 
 // ---- prefill_attention.cpp ----------------------------------------------------------------
 
@@ -214,7 +219,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                              at::Tensor segments, double scale, at::Tensor out,
                              c10::optional<at::Tensor> k_scale = c10::nullopt,
                              c10::optional<at::Tensor> v_scale = c10::nullopt,
-                             c10::optional<at::Tensor> shared = c10::nullopt);
+                             c10::optional<at::Tensor> shared = c10::nullopt, double softcap = 0);
 
 // ---- norm_rope_act.cpp --------------------------------------------------------------------
 
@@ -340,6 +345,7 @@ struct DecodeModel {  // built once per loaded model (and again when the KV pool
   // int8 pools' scales [num_blocks, block_size, N_kv] fp32, one per layer; empty for float pools
   std::vector<at::Tensor> k_scales, v_scales;
   at::Tensor cos_local, sin_local;  // the local layers' RoPE tables (their own base); undefined where none is local
+  double softcap = 0;  // the attention kernels' softcap (Gemma 2's attention-logit soft-capping), 0: none
 };
 
 // Every decoder layer of a decode batch in one call; returns the residual stream after the

@@ -13,14 +13,15 @@
 
 at::Tensor shared_prefix_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                                     at::Tensor context_lens, const SharedPrefixDecodePlan& plan, double scale,
-                                    c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+                                    c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, double softcap) {
   RECORD_FUNCTION(kDecodeAttentionRange, std::vector<c10::IValue>());  // as paged_decode_attention's
   TORCH_CHECK(q.dim() == 3, "shared_prefix_decode_attention: q [B, N_q, H]");
   const int64_t B = q.size(0), num_heads = q.size(1), H = q.size(2);
   TORCH_CHECK(plan.suffix_start.numel() == B, "shared_prefix_decode_attention: one suffix start per row, got ",
               plan.suffix_start.numel(), " for ", B, " rows");
   auto [acc_out, acc_lse] =
-      paged_decode_attention_lse(q, k_pool, v_pool, block_tables, context_lens, plan.suffix_start, scale, k_scale, v_scale);
+      paged_decode_attention_lse(q, k_pool, v_pool, block_tables, context_lens, plan.suffix_start, scale, k_scale, v_scale,
+                                 softcap);
   float* acc = acc_out.data_ptr<float>();
   float* acc_l = acc_lse.data_ptr<float>();
   for (const SharedPrefixLevel& level : plan.levels) {
@@ -33,7 +34,7 @@ at::Tensor shared_prefix_decode_attention(at::Tensor q, at::Tensor k_pool, at::T
       TORCH_CHECK(0 <= rows[i] && rows[i] < B && (i == 0 || rows[i] > rows[i - 1]),
                   "shared_prefix_decode_attention: members must be ascending rows of the batch of ", B, ", got ", rows[i]);
     auto [o, lse] = shared_prefix_attention(at::index_select(q, 0, members), k_pool, v_pool, level.blocks,
-                                            level.num_positions, scale, k_scale, v_scale);
+                                            level.num_positions, scale, k_scale, v_scale, softcap);
     const float* op = o.data_ptr<float>();
     const float* lp = lse.data_ptr<float>();
     at::parallel_for(0, n * num_heads, 64, [&](int64_t begin, int64_t end) {

@@ -161,8 +161,8 @@ class KernelSupport:
             problems = [p for p in problems if p]
             return KernelChoice.off("; ".join(problems)) if problems else KernelChoice.on(why_on)
 
-        # Gemma 2's cap · tanh(s / cap) on the scores: no attention kernel has it, so torch's path runs
-        softcapped = None if arch.attn_logit_softcapping is None else "soft-capped attention scores (Gemma 2)"
+        # Gemma 2's cap · tanh(s / cap) on the scores, which every attention kernel applies before its softmax
+        softcapped = "" if arch.attn_logit_softcapping is None else f", scores soft-capped at {arch.attn_logit_softcapping:g}"
         # int8 pools are read in 32-feature chunks, as bf16 ones
         hd_multiple = lim["decode_attention_head_dim_multiple_bf16" if bf16 or int8_kv else "decode_attention_head_dim_multiple_fp32"]
         decode_attention = verdict(
@@ -174,16 +174,16 @@ class KernelSupport:
                 None if hd <= lim["decode_attention_max_head_dim"] else f"head_dim {hd} > {lim['decode_attention_max_head_dim']}",
                 None if g <= lim["decode_attention_max_queries_per_kv_head"]
                 else f"{g} query heads per KV head > {lim['decode_attention_max_queries_per_kv_head']}",
-                softcapped,
             ],
             f"in place over the block tables, g={g} query heads per KV row read"
-            + (" (int8 K/V dequantized in registers)" if int8_kv else ""),
+            + (" (int8 K/V dequantized in registers)" if int8_kv else "") + softcapped,
         )
         prefill_attention = verdict(
             [family("prefill_attention"), None if bf16 else "bfloat16 only", kv_problem,
-             multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim"), softcapped],
+             multiple(hd, lim["prefill_attention_head_dim_multiple"], "head_dim")],
             # int8 K/V are packed into the same bf16 tiles (exactly), their scales applied to scores and probabilities
-            "packed K/V tiles" + (" from int8 pools" if int8_kv else "") + f" at {families.get('prefill_attention')}",
+            "packed K/V tiles" + (" from int8 pools" if int8_kv else "") + f" at {families.get('prefill_attention')}"
+            + softcapped,
         )
         rms_norm = verdict([family("norm_rope_act"), multiple(arch.hidden_size, lim["rms_norm_width_multiple"], "hidden_size")], "fused residual add")
         rope_and_cache = verdict(

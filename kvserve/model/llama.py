@@ -53,7 +53,7 @@ class LlamaAttention(nn.Module):
     ):
         super().__init__()
         self.window = window  # a sliding window's width, None for full attention (attention/sliding_window.py)
-        self.softcap = arch.attn_logit_softcapping  # Gemma 2: scores capped before the softmax (torch only)
+        self.softcap = arch.attn_logit_softcapping  # Gemma 2: scores capped before the softmax (kernels and torch alike)
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -563,6 +563,6 @@ class LlamaForCausalLM(nn.Module):
                 cos_local=None if self.local_rotary is None else self.local_rotary.cos_half,
                 sin_local=None if self.local_rotary is None else self.local_rotary.sin_half,
                 num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                eps=arch.rms_norm_eps, scale=arch.attention_scale,
+                eps=arch.rms_norm_eps, scale=arch.attention_scale, softcap=arch.attn_logit_softcapping or 0.0,
             )  # fmt: skip
         return self._decode_model

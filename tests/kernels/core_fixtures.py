@@ -14,6 +14,8 @@ cases with each other.
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import hashlib
 import math
@@ -408,13 +410,15 @@ def _decode_pools(dtype, num_kv_heads, head_dim, block_size, num_blocks, g):
     return k, v
 
 
-def _decode_call(s, desc, q, k, v, tables, lens, scale, ks=None, vs=None, starts=None, lse=False) -> str:
+def _decode_call(s, desc, q, k, v, tables, lens, scale, ks=None, vs=None, starts=None, lse=False, softcap=None) -> str:
     pool = 2 if ks is not None else 1 if k.dtype == torch.float32 else 0
     b, nh, hd = q.shape
     out_dtype = torch.float32 if lse else q.dtype  # the _lse binding's outputs are fp32
     params = dict(q_bf16=int(q.dtype == torch.bfloat16), pool=pool, B=b, num_heads=nh, num_kv_heads=k.shape[2],
                   head_dim=hd, block_size=k.shape[1], max_blocks=tables.shape[1], scale=float(scale),
                   out_bf16=int(out_dtype == torch.bfloat16))  # fmt: skip
+    if softcap is not None:
+        params["softcap"] = softcap
     outs = dict(out=torch.full(q.shape, float("nan"), dtype=out_dtype))
     if lse:
         outs["lse"] = torch.full((b, nh), float("nan"))
@@ -423,7 +427,7 @@ def _decode_call(s, desc, q, k, v, tables, lens, scale, ks=None, vs=None, starts
                       start_positions=starts), outs)  # fmt: skip
 
 
-def _reference_rows(q, k_pool, v_pool, slots, scale):
+def _reference_rows(q, k_pool, v_pool, slots, scale, softcap=None):
     """test_shared_prefix_attention.py's explicit reference: one row over the positions at
     `slots` in fp32: (out [N_q, H], lse [N_q])."""
     num_heads, head_dim = q.shape
@@ -435,6 +439,8 @@ def _reference_rows(q, k_pool, v_pool, slots, scale):
     rep = num_heads // num_kv_heads
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("hd,shd->hs", q.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.einsum("hs,shd->hd", torch.exp(scores - lse[:, None]), v), lse
 
@@ -540,7 +546,7 @@ def decode_cases(s: Suite) -> None:
 
 
 
-def _prefill_call(s, desc, q, k, v, prefills, scale, ks=None, vs=None, sharing=None) -> str:
+def _prefill_call(s, desc, q, k, v, prefills, scale, ks=None, vs=None, sharing=None, softcap=None) -> str:
     rows, offset = [], 0
     for seg in prefills:
         rows.append((seg.query_start, seg.num_new, seg.num_cached, offset))
@@ -552,6 +558,8 @@ def _prefill_call(s, desc, q, k, v, prefills, scale, ks=None, vs=None, sharing=N
         arrays["shared_len"] = torch.tensor([b for _, b in sharing], dtype=torch.long)
     params = dict(num_heads=q.shape[1], num_kv_heads=k.shape[2], head_dim=q.shape[2], num_segments=len(prefills),
                   scale=float(scale))  # fmt: skip
+    if softcap is not None:
+        params["softcap"] = softcap
     return s.add("prefill_attention", desc, params, arrays, dict(out=torch.full_like(q, float("nan"))))
 
 
@@ -694,6 +702,81 @@ def shared_prefix_cases(s: Suite) -> None:
                 if permuted is not None:
                     ck.same(res[permuted]["out"], out[perm], f"{name}: permuted rows, out")
                     ck.same(res[permuted]["lse"], lse[perm], f"{name}: permuted rows, lse")
+
+
+def softcap_cases(s: Suite) -> None:
+    """Gemma 2's soft-capped scores (test_softcap_attention.py's cases, fewer): the decode kernel
+    on bf16 and int8 pools, the prefill kernel over cached history, the shared-prefix kernel,
+    each against the capping reference and a row's bits against it alone."""
+    cap, bs = 1.5, 16
+    nh, nkv, hd, lens = 8, 4, 256, [40, 300]  # Gemma-2-2B's heads
+    for pool in ("bf16", "int8"):
+        g = _gen(900)
+        max_blocks = -(-max(lens) // bs)
+        num_blocks = 2 * max_blocks + 1
+        k, v = _decode_pools(torch.bfloat16, nkv, hd, bs, num_blocks, g)
+        q = (3 * torch.randn(len(lens), nh, hd, generator=g)).bfloat16()
+        tables = torch.randperm(num_blocks, generator=g)[: 2 * max_blocks].view(2, max_blocks).to(torch.int32)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        ctx = torch.arange(max(lens))
+        slots = tables[:, ctx // bs].long() * bs + ctx % bs
+        meta = AttentionMetadata(None, 2, slots, (ctx.unsqueeze(0) < lens_t.unsqueeze(1)).view(2, 1, 1, -1), lens_t, tables, [])
+        scale, ks, vs = hd**-0.5, None, None
+        if pool == "int8":
+            (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+            expected = decode_attention(q.float(), k, v, meta, scale, ks, vs, softcap=cap)
+        else:
+            expected = decode_attention(q.float(), k.float(), v.float(), meta, scale, softcap=cap)
+        name = f"softcap {cap} {pool} pool g=2 H=256 lens {lens}"
+        batch = _decode_call(s, name, q, k, v, tables, lens_t, scale, ks, vs, softcap=cap)
+        alone = _decode_call(s, f"{name}: row 1 alone", q[1:], k, v, tables[1:], lens_t[1:], scale, ks, vs, softcap=cap)
+
+        @s.check("decode_attention")
+        def _(res, ck, name=name, batch=batch, alone=alone, expected=expected):
+            ck.close(res[batch]["out"].float(), expected, 1e-2, 1e-2, f"{name} against the capping reference")
+            ck.same(res[alone]["out"][0], res[batch]["out"][1], f"{name}: row 1 alone against it in the batch")
+
+    q, k, v, prefills = prefill_case([(0, 70), (40, 9)], nh, nkv, hd, bs, seed=901)
+    q = (3 * q.float()).bfloat16()
+    meta = AttentionMetadata(None, 0, None, None, None, None, prefills)
+    expected = torch.empty(q.shape)
+    prefill_attention(q.float(), k.float(), v.float(), meta, hd**-0.5, expected, softcap=cap)
+    name = f"softcap {cap} prefill g=2 H=256 segments (0, 70), (40, 9)"
+    whole = _prefill_call(s, name, q, k, v, prefills, hd**-0.5, softcap=cap)
+    seg = copy.copy(prefills[1])
+    rows = slice(seg.query_start, seg.query_start + seg.num_new)
+    seg.query_start = 0
+    alone = _prefill_call(s, f"{name}: segment 1 alone", q[rows].contiguous(), k, v, [seg], hd**-0.5, softcap=cap)
+
+    @s.check("prefill_attention")
+    def _(res, ck, name=name, whole=whole, alone=alone, expected=expected, rows=rows):
+        ck.close(res[whole]["out"].float(), expected, 2e-2, 2e-2, f"{name} against the capping reference")
+        ck.same(res[alone]["out"], res[whole]["out"][rows], f"{name}: segment 1 alone against it beside the other")
+
+    g = _gen(902)
+    n, prefix_len = 3, 280
+    k, v = _decode_pools(torch.bfloat16, nkv, hd, bs, 20, g)
+    blocks = torch.randperm(20, generator=g)[:18].to(torch.int32)
+    q = (3 * torch.randn(n, nh, hd, generator=g)).bfloat16()
+    pos = torch.arange(prefix_len)
+    slots = blocks[pos // bs].long() * bs + pos % bs
+    refs = [_reference_rows(q[b], k, v, slots, hd**-0.5, softcap=cap) for b in range(n)]
+    name = f"softcap {cap} shared prefix g=2 H=256 n={n} prefix {prefix_len}"
+
+    def call(desc, qq):
+        params = dict(prefix_len=prefix_len, n=qq.shape[0], num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
+                      scale=float(hd**-0.5), softcap=cap)  # fmt: skip
+        return s.add("shared_prefix_attention", desc, params, dict(q=qq, k_pool=k, v_pool=v, blocks=blocks),
+                     dict(out=torch.full(qq.shape, float("nan")), lse=torch.full(qq.shape[:2], float("nan"))))
+
+    group, alone = call(name, q), call(f"{name}: row 2 alone", q[2:])
+
+    @s.check("shared_prefix_attention")
+    def _(res, ck, name=name, group=group, alone=alone, refs=refs):
+        for b, (ro, rl) in enumerate(refs):
+            ck.close(res[group]["out"][b], ro, 1e-2, 1e-2, f"{name} row {b}: out against the capping reference")
+            ck.close(res[group]["lse"][b], rl, 1e-4, 1e-5, f"{name} row {b}: lse against the capping reference")
+        ck.same(res[alone]["out"][0], res[group]["out"][2], f"{name}: row 2 alone, out")
 
 
 def merge_cases(s: Suite) -> None:
@@ -914,7 +997,7 @@ def quant_rows_cases(s: Suite) -> None:
 
 def build_suite() -> Suite:
     s = Suite()
-    for make in (gemv_cases, quant_cases, quant_rows_cases, decode_cases, prefill_cases, shared_prefix_cases, merge_cases, norm_cases,
-                 rope_cases, act_cases, argmax_cases):  # fmt: skip
+    for make in (gemv_cases, quant_cases, quant_rows_cases, decode_cases, prefill_cases, shared_prefix_cases, softcap_cases,
+                 merge_cases, norm_cases, rope_cases, act_cases, argmax_cases):  # fmt: skip
         make(s)
     return s

@@ -33,7 +33,8 @@ SHAPES = {
     # Gemma 3's layer within its window: one local and one global layer, so two KV groups, on the fused step
     "gemma3-groups": dict(model_type="gemma3_text", num_heads=4, num_kv_heads=1, hidden_size=256, head_dim=128, num_layers=2,
                           sliding_window=64, sliding_window_pattern=2),
-    # Gemma 2's soft-capped scores (attention on torch, the rest on the kernels), its even layer local
+    # Gemma 2's soft-capped scores (every attention kernel caps them) and its even layer local,
+    # with a window of 8 that the prompt passes: the fused step with a windowed and a whole layer
     "gemma2-softcap": dict(model_type="gemma2", num_heads=4, num_kv_heads=2, hidden_size=256, head_dim=64, num_layers=2,
                            sliding_window=8),
     # Mistral v0.1's window (8 here, past the prompt): every row on the decode kernel's ranged form
@@ -52,7 +53,7 @@ SHAPES = {
 }
 PARTIAL = {"phi4-partial"}
 MOE = {"qwen3-moe-hd128", "qwen2-moe", "olmoe"}  # the fused step does not run routed experts
-NOT_FUSED = PARTIAL | MOE | {"gemma2-softcap"}  # the fused step needs full rotary and the attention kernel (no soft-cap)
+NOT_FUSED = PARTIAL | MOE  # the fused step needs full rotary and runs no routed experts
 WINDOWED = {"mistral-window", "gemma3-hd256"}  # their decode steps all see past the window (the fused step's ranged reads)
 PROMPT = "What is the capital of France? The capital"
 STEPS = 4
@@ -93,7 +94,7 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
     k = engine.model.kernels
     assert k.level == (kernel_level or k.level), k.describe()
     assert k.qk_norm.enabled == engine.arch.qk_norm_per_head, k.describe()
-    attention_kernels = engine.arch.head_dim <= ops.limits()["decode_attention_max_head_dim"] and not engine.arch.attn_logit_softcapping
+    attention_kernels = engine.arch.head_dim <= ops.limits()["decode_attention_max_head_dim"]
     assert k.decode_attention.enabled == attention_kernels, k.describe()
     assert k.fused_decode.enabled == (shape not in NOT_FUSED), k.describe()
     if shape in PARTIAL:
@@ -122,8 +123,10 @@ def test_fused_decode_equals_layer_by_layer(kernel_level, shape_dirs, shape, mon
 
     monkeypatch.setattr(module, "decode_layers", counted)
     fused, _ = _trajectory(engine, prompt, STEPS)
-    groups = 2 if shape == "gemma3-groups" else 1  # its local and its global layer index blocks of their own
-    windowed = engine.arch.num_layers if shape in WINDOWED else 0  # every layer of these two is local
+    # the Gemmas' local and global layers index blocks of their own (two KV groups); Gemma 2's
+    # local layer is seen past its window by every decode step, the WINDOWED shapes' every layer
+    groups = 2 if shape in ("gemma3-groups", "gemma2-softcap") else 1
+    windowed = engine.arch.num_layers if shape in WINDOWED else 1 if shape == "gemma2-softcap" else 0
     assert all(engine.arch.layer_window(i) for i in range(engine.arch.num_layers)) == (shape in WINDOWED)
     # every decode step took the fused call, with each KV group's slots, and its windowed layers' starts
     assert calls == [(groups, windowed)] * STEPS
@@ -131,3 +134,21 @@ def test_fused_decode_equals_layer_by_layer(kernel_level, shape_dirs, shape, mon
     layered, _ = _trajectory(engine, prompt, STEPS)
     assert len(calls) == STEPS
     assert torch.equal(fused, layered)
+
+
+def test_gemma2_deterministic_rows_do_not_depend_on_the_batch(kernel_level, shape_dirs):
+    """Gemma 2's soft-capped attention on the decode kernel lets --deterministic hold for it (it
+    was refused while its attention ran on torch): prompts past the local layer's window of 8,
+    greedy tokens and logprobs to the bit alone and all together."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(shape_dirs["gemma2-softcap"], dtype="bfloat16", deterministic=True, kv_cache_memory="4MiB")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [PROMPT * (i + 1) for i in range(4)]
+
+    def result(out):
+        c = out.outputs[0]
+        return tuple(c.token_ids), tuple(tuple(sorted(d.items())) for d in c.logprobs)
+
+    together = [result(o) for o in llm.generate(prompts, params)]
+    assert [result(llm.generate([p], params)[0]) for p in prompts] == together

@@ -9,6 +9,7 @@
 //
 // Arithmetic (decode_attention_core.cpp describes the layout and blocking):
 //   score = (q·k summed in fp32) · scale      (int8: · k_scale · scale)
+//   with a softcap, score = softcap · tanh(score / softcap) (simd::softcap8)
 //   online softmax in fp32 over tiles of kTile positions: running max, the sum of the fp32
 //   e^(score - max), the output accumulators rescaled when the max grows;
 //   P·V in fp32 with P = e^(score - max) rounded to bf16 for bf16 pools (as a bf16 pair dot
@@ -51,6 +52,7 @@ struct Args {
   const int32_t* start_positions = nullptr;  // [B] or null (all 0)
   int64_t B = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, max_blocks = 0;
   float scale = 1.f;
+  float softcap = 0.f;  // > 0: each score capped to softcap·tanh(score / softcap) before the softmax (Gemma 2)
   void* out = nullptr;  // [B, N_q, H], bf16 (uint16_t) if out_bf16 else fp32
   bool out_bf16 = false;
   float* lse = nullptr;  // [B, N_q] or null

@@ -193,6 +193,20 @@ void tile_scores(const float* qf, int64_t g, const typename R::Elem* const* rows
   }
 }
 
+// Gemma 2's soft-capping of a tile's scores (sc as tile_scores leaves it): the n live positions
+// of each head capped, the lanes past n left at -inf
+inline void cap_scores(float* sc, int64_t g, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.f / cap), neg_inf = _mm256_set1_ps(-INFINITY);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t s = 0; s < n; s += 8) {
+      __m256 v = simd::softcap8(_mm256_loadu_ps(sc + j * kTile + s), c, inv);
+      if (s + 8 > n)
+        v = _mm256_blendv_ps(neg_inf, v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - s)), iota)));
+      _mm256_storeu_ps(sc + j * kTile + s, v);
+    }
+}
+
 // acc[j][c0 .. c0 + 16C) = acc·alpha[j] + Σ_s p[j][s]·V[s] for heads j0 .. j0 + G, positions in order
 // (pair rows: two positions a step, P as bf16 pairs from pbf, their V rows unpacked into pairs;
 // a last odd position pairs with a live row whose P is 0)
@@ -315,6 +329,7 @@ void tile_step(const Args& a, int64_t kvh, const typename R::Elem* const* krows,
     for (int64_t s = 0; s < kTile; ++s) mult[s] = a.scale;
   }
   tile_scores<R>(qf, g, krows, off, n, H, mult, sc, pf);
+  if (a.softcap > 0.f) cap_scores(sc, g, n, a.softcap);
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < g; ++j) {
     const float* sj = sc + j * kTile;

@@ -24,6 +24,7 @@ struct PrefillAttentionArgs {
   const int64_t* leader = nullptr;
   const int64_t* shared_len = nullptr;
   float scale;  // > 0
+  float softcap = 0.f;  // > 0: each scaled score capped to softcap·tanh(score / softcap) first (Gemma 2)
 };
 
 // Probabilities are those of a softmax in fp32 over the scaled scores (online, per block of 32

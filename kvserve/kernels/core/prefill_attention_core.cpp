@@ -211,6 +211,7 @@ struct KvView {
   const float* vs;
   int64_t D;
   float scale;
+  float softcap;  // > 0: scores capped (Gemma 2), 0: none
 };
 
 // The running state of one query row.
@@ -225,8 +226,12 @@ struct RowState {
 // by the key positions), p its 32 probabilities out (bf16-rounded, zero past visible). Returns
 // the factor O and l are rescaled by (exactly 1 when the maximum did not change).
 // Not inlined: every tile size runs this same code for its rows.
-__attribute__((noinline)) float softmax_step(const float* s, int64_t visible, float scale, const float* ks,
+__attribute__((noinline)) float softmax_step(const float* s, int64_t visible, float scale, float softcap, const float* ks,
                                              const float* vs, RowState& st, float* l, float* p) {
+  // with a softcap the scores are scaled and capped here (simd::softcap8), so the rest runs at scale 1
+  const __m256 cap = _mm256_set1_ps(softcap), inv_cap = _mm256_set1_ps(softcap > 0.f ? 1.f / softcap : 0.f),
+               pre = _mm256_set1_ps(scale);
+  if (softcap > 0.f) scale = 1.f;
   const __m256i vis = _mm256_set1_epi32(static_cast<int>(visible));
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 sv[4], mask[4];
@@ -236,6 +241,7 @@ __attribute__((noinline)) float softmax_step(const float* s, int64_t visible, fl
     mask[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, idx));
     sv[j] = simd::load8(s + 8 * j);
     if (ks) sv[j] = _mm256_mul_ps(sv[j], simd::load8(ks + 8 * j));
+    if (softcap > 0.f) sv[j] = simd::softcap8(_mm256_mul_ps(sv[j], pre), cap, inv_cap);
     mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg_inf, sv[j], mask[j]));
   }
   const float block_max = simd::hmax8(mx);
@@ -382,7 +388,7 @@ void attend_tile(const KvView& kv, const uint16_t* const* q_rows, uint16_t* cons
         std::fill(p + r * kBlockKeys, p + (r + 1) * kBlockKeys, 0.f);
         continue;
       }
-      corr[r] = softmax_step(s + r * kBlockKeys, visible, kv.scale, kv.ks ? kv.ks + pos : nullptr,
+      corr[r] = softmax_step(s + r * kBlockKeys, visible, kv.scale, kv.softcap, kv.ks ? kv.ks + pos : nullptr,
                              kv.vs ? kv.vs + pos : nullptr, st[r], l + r * 8, p + r * kBlockKeys);
       rescale |= corr[r] != 1.f;
     }
@@ -532,7 +538,7 @@ void paged_prefill_attention(const PrefillAttentionArgs& a) {
       const uint16_t* lk = kv_buf.get() + kv_offset[lead * num_kv + h];
       const float* ks = a.int8 ? scale_buf.get() + scale_offset[i * num_kv + h] : nullptr;
       const KvView view{lk, lk + lead_padded * D, own, own + own_padded * D, shared_len(i), ks,
-                        ks ? ks + width : nullptr, D, a.scale};
+                        ks ? ks + width : nullptr, D, a.scale, a.softcap};
       const uint16_t* q_rows[kTileRows];
       uint16_t* out_rows[kTileRows];
       int64_t last[kTileRows];

@@ -6,7 +6,8 @@
 // read once for all n·g query rows of that head (a small matrix product with the query rows
 // in vector lanes). Arithmetic:
 //   score = (q·k summed in fp32, features in order; at the bf16 pair-dot levels feature
-//            pairs in order) · scale   (int8: · k_scale · scale)
+//            pairs in order) · scale   (int8: · k_scale · scale); with a softcap,
+//            softcap · tanh(score / softcap) (simd::softcap8)
 //   per chunk of kChunk positions: max, e^(score - max) (simd::exp8), Σ of the fp32 e, and
 //   P = e rounded to bf16 (int8: e · v_scale, then rounded) times V in fp32, positions in order
 //   (pair levels: positions in pairs, in order);
@@ -36,6 +37,7 @@ struct Args {
   int64_t prefix_len = 0;
   int64_t n = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
   float scale = 1.f;
+  float softcap = 0.f;  // > 0: scores capped to softcap·tanh(score / softcap) before the softmax (Gemma 2)
   float* out = nullptr;  // [n, N_q, H] fp32, normalised
   float* lse = nullptr;  // [n, N_q] fp32
 };

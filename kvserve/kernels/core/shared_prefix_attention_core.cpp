@@ -163,8 +163,14 @@ inline __m256 widen8(const void* row, int64_t d, bool int8) {
 // The chunk's softmax lane-wise over its S positions, each lane a query row: max, e^(s - max)
 // (Σ in fp32), P = e (int8: times the position's V scale, which weights the probability)
 // rounded to bf16, into pr [S_pad][RGT][8]; each lane's max and Σ into mxs, sums [RGT][8].
-void lanewise_softmax(const std::vector<float>& sc, int64_t S, int64_t S_pad, int64_t RGT, const float* v_scale,
+// softcap > 0: the S positions' scores capped in place first (simd::softcap8, Gemma 2).
+void lanewise_softmax(std::vector<float>& sc, int64_t S, int64_t S_pad, int64_t RGT, const float* v_scale, float softcap,
                       std::vector<float>& pr, std::vector<float>& mxs, std::vector<float>& sums) {
+  if (softcap > 0.f) {
+    const __m256 c = _mm256_set1_ps(softcap), inv = _mm256_set1_ps(1.f / softcap);
+    for (int64_t i = 0; i < S * RGT; ++i)
+      _mm256_storeu_ps(sc.data() + i * 8, simd::softcap8(_mm256_loadu_ps(sc.data() + i * 8), c, inv));
+  }
   pr.resize(S_pad * RGT * 8);
   mxs.resize(RGT * 8);
   sums.resize(RGT * 8);
@@ -234,7 +240,7 @@ void pair_chunk(const Args& a, int64_t kvh, int64_t p0, int64_t S, int64_t S_pad
     }
     if (a.int8) vpos[s] = a.v_scale[slot_of(p0 + s) * nkv + kvh];
   }
-  lanewise_softmax(sc, S, S_pad, RGT, a.int8 ? vpos.data() : nullptr, pr, mxs, sums);
+  lanewise_softmax(sc, S, S_pad, RGT, a.int8 ? vpos.data() : nullptr, a.softcap, pr, mxs, sums);
   // P in pairs of positions (bf16 p_s low, p_{s+1} high; 0 past S)
   pp.resize(SP * RGT * 8);
   for (int64_t sp = 0; sp < SP; ++sp)
@@ -342,7 +348,7 @@ void shared_prefix_attention(const Args& a) {
         for (int64_t d = 0; d < H; d += 8) _mm256_storeu_ps(vf.data() + ((d / 8) * S_pad + s) * 8, widen8(row, d, a.int8));
         if (a.int8) vpos[s] = a.v_scale[slot_of(p0 + s) * nkv + kvh];
       }
-      lanewise_softmax(sc, S, S_pad, RGT, a.int8 ? vpos.data() : nullptr, pr, mxs, sums);
+      lanewise_softmax(sc, S, S_pad, RGT, a.int8 ? vpos.data() : nullptr, a.softcap, pr, mxs, sums);
       // PV, transposed: accT[d][rg][lane]
       accT.resize(H * RGT * 8);
       rg0 = 0;

@@ -152,6 +152,16 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// Gemma 2's attention-logit soft-capping, cap·tanh(s/cap) for 8 lanes (inv_cap = 1/cap), with
+// tanh(y) = 1 − 2/(e^(2y) + 1): exp8's clamps keep it finite (±1 at the ends, never NaN), and the
+// division is exact at every level (an estimate would differ between x86 and ARM). Near 0 the
+// subtraction leaves an absolute error of ~1e-7 in tanh, ~cap·1e-7 in the score.
+inline __m256 softcap8(__m256 s, __m256 cap, __m256 inv_cap) {
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(2.f), _mm256_mul_ps(s, inv_cap)));
+  const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+  return _mm256_mul_ps(cap, t);
+}
+
 // silu(x) = x / (1 + e^-x) for 8 lanes, with a reciprocal estimate and one Newton step
 // (~1e-7 relative; VDIVPS issues only every few cycles); e^-x capped at e^80 so the
 // reciprocal of an overflow never meets 0·inf

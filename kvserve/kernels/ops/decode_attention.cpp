@@ -24,7 +24,8 @@ constexpr int64_t kMaxG = kDecodeAttentionMaxQueriesPerKvHead;
 
 // the call's shapes into the core's arguments (q, tables and lengths contiguous)
 decode_attention_core::Args core_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, double softcap) {
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be >= 0 (0: none), got ", softcap);
   decode_attention_core::Args a;
   a.q = q.data_ptr();
   a.q_bf16 = q.scalar_type() == at::kBFloat16;
@@ -42,6 +43,7 @@ decode_attention_core::Args core_args(const at::Tensor& q, const at::Tensor& k_p
   a.block_size = k_pool.size(1);
   a.max_blocks = block_tables.size(1);
   a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
   return a;
 }
 
@@ -58,7 +60,7 @@ void check_heads(int64_t num_heads, int64_t num_kv_heads) {
 // int8 pools come with their scales k_scale / v_scale [num_blocks, block_size, N_kv] fp32.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                   at::Tensor block_tables, at::Tensor context_lens, double scale,
-                                  c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+                                  c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, double softcap) {
   // a profiler range (nothing when no profiler runs): `kvserve bench throughput
   // --profile-attention` sums these per decode step, inside the fused step too
   RECORD_FUNCTION(kDecodeAttentionRange, std::vector<c10::IValue>());
@@ -92,7 +94,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   TORCH_CHECK(context_lens.numel() == q.size(0) && block_tables.size(0) == q.size(0),
               "paged_decode_attention: one table and length per row");
   auto out = at::empty_like(q);
-  decode_attention_core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale);
+  decode_attention_core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale, softcap);
   if (k_pool.scalar_type() == at::kChar) {
     a.k_scale = k_scale->data_ptr<float>();
     a.v_scale = v_scale->data_ptr<float>();
@@ -111,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
                                                               at::Tensor block_tables, at::Tensor context_lens,
                                                               at::Tensor start_positions, double scale,
                                                               c10::optional<at::Tensor> k_scale,
-                                                              c10::optional<at::Tensor> v_scale) {
+                                                              c10::optional<at::Tensor> v_scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4, "paged_decode_attention_lse: shapes");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   start_positions.scalar_type() == at::kInt, "paged_decode_attention_lse: int32 tables");
@@ -148,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(at::Tensor q, at::
                 "paged_decode_attention_lse: row ", b, " needs 0 <= start <= len <= its table's positions");
   auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   auto lse = at::empty({B, num_heads}, q.options().dtype(at::kFloat));
-  decode_attention_core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale);
+  decode_attention_core::Args a = core_args(q, k_pool, v_pool, block_tables, context_lens, scale, softcap);
   if (int8) {
     a.k_scale = k_scale->data_ptr<float>();
     a.v_scale = v_scale->data_ptr<float>();

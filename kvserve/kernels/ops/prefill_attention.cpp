@@ -19,8 +19,9 @@ KVSERVE_KERNEL_FAMILY("prefill_attention");
 // values, so the same bits). A leader and a segment alone have (itself, 0).
 void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
                              at::Tensor segments, double scale, at::Tensor out, c10::optional<at::Tensor> k_scale,
-                             c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> shared) {
+                             c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> shared, double softcap) {
   check_prefill_args(q, k_pool, v_pool, slots, segments, scale, out, k_scale, v_scale);
+  TORCH_CHECK(softcap >= 0, "paged_prefill_attention: softcap must be >= 0 (0: none), got ", softcap);
   const bool int8 = k_pool.scalar_type() == at::kChar;
   const int64_t D = q.size(2), num_heads = q.size(1), num_kv = k_pool.size(2);
   q = q.contiguous();
@@ -78,5 +79,6 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   args.leader = any_shared ? leader_of.data() : nullptr;
   args.shared_len = any_shared ? shared_len.data() : nullptr;
   args.scale = static_cast<float>(scale);
+  args.softcap = static_cast<float>(softcap);
   kvserve::KVSERVE_LEVEL_NS::paged_prefill_attention(args);
 }

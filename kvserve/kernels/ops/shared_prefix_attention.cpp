@@ -21,8 +21,9 @@ static_assert(shared_prefix_attention_core::kMaxHeadDim == kDecodeAttentionMaxHe
 std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                                                            at::Tensor prefix_blocks, int64_t prefix_len, double scale,
                                                            c10::optional<at::Tensor> k_scale,
-                                                           c10::optional<at::Tensor> v_scale) {
+                                                           c10::optional<at::Tensor> v_scale, double softcap) {
   check_shared_prefix_args(q, k_pool, v_pool, prefix_blocks, prefix_len, k_scale, v_scale);
+  TORCH_CHECK(softcap >= 0, "shared_prefix_attention: softcap must be >= 0 (0: none), got ", softcap);
   const bool int8 = k_pool.scalar_type() == at::kChar;
   const int64_t n = q.size(0), num_heads = q.size(1), H = q.size(2);
   const int64_t block_size = k_pool.size(1), num_kv_heads = k_pool.size(2);
@@ -50,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(at::Tensor q, at::Ten
   a.head_dim = H;
   a.block_size = block_size;
   a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
   a.out = out.data_ptr<float>();
   a.lse = lse.data_ptr<float>();
   shared_prefix_attention_core::shared_prefix_attention(a);

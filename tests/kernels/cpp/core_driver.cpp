@@ -58,6 +58,7 @@ struct Case {
   int64_t i(const std::string& k) const { return std::stoll(param(k)); }
   float f(const std::string& k) const { return static_cast<float>(std::strtod(param(k).c_str(), nullptr)); }
   bool b(const std::string& k) const { return i(k) != 0; }
+  float f_or(const std::string& k, float fallback) const { return params.count(k) ? f(k) : fallback; }
   template <typename T>
   T* opt(const std::string& name) const {  // null when the case names no such array
     auto it = arrays.find(name);
@@ -152,6 +153,7 @@ void run(const Case& c) {
     a.block_size = c.i("block_size");
     a.max_blocks = c.i("max_blocks");
     a.scale = c.f("scale");
+    a.softcap = c.f_or("softcap", 0.f);
     a.out = c.at<void>("out");
     a.out_bf16 = c.b("out_bf16");
     a.lse = c.opt<float>("lse");
@@ -174,6 +176,7 @@ void run(const Case& c) {
     a.leader = c.opt<int64_t>("leader");
     a.shared_len = c.opt<int64_t>("shared_len");
     a.scale = c.f("scale");
+    a.softcap = c.f_or("softcap", 0.f);
     core::paged_prefill_attention(a);
   } else if (f == "shared_prefix_attention") {
     core::shared_prefix::Args a;
@@ -191,6 +194,7 @@ void run(const Case& c) {
     a.head_dim = c.i("head_dim");
     a.block_size = c.i("block_size");
     a.scale = c.f("scale");
+    a.softcap = c.f_or("softcap", 0.f);
     a.out = c.at<float>("out");
     a.lse = c.at<float>("lse");
     core::shared_prefix::shared_prefix_attention(a);
