@@ -544,12 +544,13 @@ class CpuOps(Protocol):
         slot_mappings: Sequence[torch.Tensor],
         block_tables: Sequence[torch.Tensor],
         context_lens: torch.Tensor,
-        shared_prefix: SharedPrefixDecodePlan | None = None,
+        shared_prefixes: Sequence[SharedPrefixDecodePlan | None] = (),
         window_starts: Sequence[torch.Tensor | None] = (),
     ) -> torch.Tensor:
         """Every decoder layer of a decode batch in one call; the residual stream after the last (before the final
-        norm). slot_mappings, block_tables: one per KV group, each layer reading its kv_group's. With a
-        shared-prefix plan (one group only) each layer's attention is shared_prefix_decode_attention.
+        norm). slot_mappings, block_tables: one per KV group, each layer reading its kv_group's. shared_prefixes:
+        empty, or one shared-prefix plan per KV group over its blocks (None where a group has none); a layer of a
+        group with a plan attends by shared_prefix_decode_attention.
         window_starts: empty, or per layer each row's first visible position (int32 [B], max(0, len - W)) where
         the layer's sliding window is seen past this step, else None; such a layer attends over [start, len)
         only (paged_decode_attention_lse, as attention/sliding_window.py)."""

@@ -88,7 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode batch in one call; the residual stream after the last (before the final norm)",
         py::arg("model"), py::arg("h"), py::arg("positions"), py::arg("slot_mappings"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("shared_prefix") = nullptr,
+        py::arg("context_lens"), py::arg("shared_prefixes") = std::vector<const SharedPrefixDecodePlan*>(),
         py::arg("window_starts") = std::vector<c10::optional<at::Tensor>>());
   m.def("shared_prefix_decode_attention", &shared_prefix_decode_attention,
         "decode attention in parts by a shared-prefix plan (suffixes, then each level read once), merged in place",

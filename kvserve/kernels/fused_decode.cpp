@@ -6,9 +6,9 @@
 // projections go through linear() / linear_silu_mul() on each layer's Projections (see
 // kernels.h), as the Python layers do, so which kernel a batch size gets is decided there.
 // bf16 or int8 KV pools: with int8 ones the model carries their scales (DecodeModel.k_scales).
-// A shared-prefix plan (`shared_prefix`) replaces each layer's decode attention by
-// shared_prefix_decode_attention, so reading a prefix once per group does not cost the step its
-// single call. Gemma's layer is the same layer with options (DecodeLayer): a norm on each
+// A shared-prefix plan (`shared_prefixes`, one per KV group, over that group's blocks) replaces
+// each layer's decode attention by shared_prefix_decode_attention, so reading a prefix once per
+// group of requests does not cost the step its single call. Gemma's layer is the same layer with options (DecodeLayer): a norm on each
 // branch's output before the residual add, GeGLU for SwiGLU, the local layers' own RoPE tables
 // and KV group (each group's layers index its own slots and blocks). A layer whose sliding
 // window some row of the step sees past (`window_starts`) reads each row's last W positions
@@ -39,7 +39,7 @@ void norm_heads_(at::Tensor& qkv, const DecodeLayer& layer, int64_t num_heads, i
 
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions,
                          const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
-                         at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix,
+                         at::Tensor context_lens, const std::vector<const SharedPrefixDecodePlan*>& shared_prefixes,
                          const std::vector<c10::optional<at::Tensor>>& window_starts) {
   TORCH_CHECK(model.k_pools.size() == model.layers.size() && model.v_pools.size() == model.layers.size(),
               "decode_layers: one K and one V pool per layer, got ", model.layers.size(), " layers, ",
@@ -52,8 +52,9 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
   TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size(),
               "decode_layers: one slot mapping and one block table per KV group, got ", slot_mappings.size(), " and ",
               block_tables.size());
-  TORCH_CHECK(!shared_prefix || slot_mappings.size() == 1, "decode_layers: a shared-prefix plan indexes one KV group's "
-              "blocks, got ", slot_mappings.size(), " groups");
+  TORCH_CHECK(shared_prefixes.empty() || shared_prefixes.size() == slot_mappings.size(),
+              "decode_layers: shared-prefix plans index one KV group's blocks each: none, or one entry per group (None "
+              "where a group has no plan), got ", shared_prefixes.size(), " for ", slot_mappings.size(), " groups");
   TORCH_CHECK(window_starts.empty() || window_starts.size() == model.layers.size(),
               "decode_layers: window_starts holds one entry per layer or none, got ", window_starts.size(), " for ",
               model.layers.size(), " layers");
@@ -95,8 +96,8 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
       attn = std::get<0>(paged_decode_attention_lse(q, model.k_pools[l], model.v_pools[l], tables, context_lens,
                                                     *window_starts[l], model.scale, k_scale, v_scale, model.softcap))
                  .to(q.scalar_type());
-    else if (shared_prefix)
-      attn = shared_prefix_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, *shared_prefix,
+    else if (const SharedPrefixDecodePlan* plan = shared_prefixes.empty() ? nullptr : shared_prefixes[layer.kv_group])
+      attn = shared_prefix_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, *plan,
                                             model.scale, k_scale, v_scale, model.softcap);
     else
       attn = paged_decode_attention(q, model.k_pools[l], model.v_pools[l], tables, context_lens, model.scale, k_scale,

@@ -351,12 +351,13 @@ struct DecodeModel {  // built once per loaded model (and again when the KV pool
 // Every decoder layer of a decode batch in one call; returns the residual stream after the
 // last layer (before the final norm). slot_mappings and block_tables: one per KV group
 // (engine/kv_groups.py; a model whose layers are of one kind has one), layer l reading
-// entry layers[l].kv_group. With a shared-prefix plan (not null; one group only) each layer's
-// attention reads the shared prefixes once per group (shared_prefix_decode_attention).
+// entry layers[l].kv_group. shared_prefixes: empty, or one plan per KV group over that group's
+// blocks (null where the group has none); a layer of a group with a plan reads the shared
+// prefixes once per group of requests (shared_prefix_decode_attention).
 // window_starts: empty, or one entry per layer, each row's first visible position (int32 [B],
 // max(0, len − W)) where the layer's window is seen past this step, else None; such a layer's
 // attention is paged_decode_attention_lse over [start, len), whatever the plan.
 at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor positions,
                          const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
-                         at::Tensor context_lens, const SharedPrefixDecodePlan* shared_prefix = nullptr,
+                         at::Tensor context_lens, const std::vector<const SharedPrefixDecodePlan*>& shared_prefixes = {},
                          const std::vector<c10::optional<at::Tensor>>& window_starts = {});

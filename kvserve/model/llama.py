@@ -469,13 +469,13 @@ class LlamaForCausalLM(nn.Module):
         groups = meta.groups if isinstance(meta, GroupedMetadata) else [meta]
         plan = meta.shared_prefix
         windowed = [rows for m in groups for rows in m.windowed.values()]
-        if (not meta.prefills and (plan is None or len(groups) == 1) and all(rows.on_kernels for rows in windowed)
+        if (not meta.prefills and (plan is None or plan.on_kernels) and all(rows.on_kernels for rows in windowed)
                 and 0 < input_ids.shape[0] <= self.fused_decode_rows()):
             # a shared-prefix plan built for the kernels runs inside the fused step, each layer's
-            # attention in its parts (kernels/shared_prefix_decode.cpp; its blocks are one
-            # group's, so a grouped model's plan goes layer by layer); a layer whose window a row
-            # sees past reads each row's last W positions there, from the start positions the
-            # step's WindowedRows hold for its window (attention/sliding_window.py, the same call)
+            # attention in its parts (kernels/shared_prefix_decode.cpp), each KV group's plan over
+            # its own blocks; a layer whose window a row sees past reads each row's last W
+            # positions there, from the start positions the step's WindowedRows hold for its
+            # window (attention/sliding_window.py, the same call)
             starts = [] if not windowed else [
                 None if (rows := groups[layer.kv_group].windowed.get(layer.self_attn.window)) is None
                 else rows.start_positions
@@ -484,7 +484,8 @@ class LlamaForCausalLM(nn.Module):
             return self.kernels.ops.decode_layers(
                 self.decode_model(), h, positions, [m.slot_mapping for m in groups],
                 [m.decode_block_tables for m in groups], groups[0].decode_context_lens,
-                plan.kernel_plan if plan is not None else None, starts,
+                [] if plan is None else [None if m.shared_prefix is None else m.shared_prefix.kernel_plan for m in groups],
+                starts,
             )
         ropes = self._ropes(positions, h.dtype)
         residual = None

@@ -152,3 +152,37 @@ def test_gemma2_deterministic_rows_do_not_depend_on_the_batch(kernel_level, shap
 
     together = [result(o) for o in llm.generate(prompts, params)]
     assert [result(llm.generate([p], params)[0]) for p in prompts] == together
+
+
+def test_a_grouped_models_shared_prefix_plan_runs_in_the_fused_step(kernel_level, shape_dirs, monkeypatch):
+    """Gemma 3's local and global layers index blocks of their own (two KV groups), so a step's
+    shared-prefix plan is one per group: the fused step takes both (decode_layers'
+    shared_prefixes) and gives the logprobs of the layer-by-layer path running the same plans,
+    to the bit. The prompts stay inside the window (64), so every layer reads its plan."""
+    import random
+
+    from kvserve import LLM, SamplingParams
+
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 300) for _ in range(40)]  # the tiny vocabulary: 320
+    prompts = [prefix + [rng.randrange(3, 300) for _ in range(3 + i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(shape_dirs["gemma3-groups"], dtype="bfloat16", kv_cache_memory="4MiB", block_size=4,
+                  shared_prefix_attention="auto", shared_prefix_min_positions=4, shared_prefix_min_group=2)
+        module, plans = llm.engine.model.kernels.ops, []
+        step = module.decode_layers
+
+        def counted(*a, step=step):  # (model, h, positions, slot_mappings, block_tables, context_lens, plans, starts)
+            plans.append(sum(p is not None for p in a[6]))
+            return step(*a)
+
+        monkeypatch.setattr(module, "decode_layers", counted)
+        llm.engine.model.fused_decode = fused
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # the prefix cached
+        outs = llm.generate(prompts, params)
+        assert llm.engine.counters.shared_prefix_steps > 0
+        assert (2 in plans) == fused and (fused or not plans)  # both groups' plans in the fused call
+        runs.append([(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for o in outs for c in o.outputs])
+    assert runs[0] == runs[1]

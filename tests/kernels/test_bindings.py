@@ -313,12 +313,12 @@ def test_decode_layers_reads_a_window_seen_past_from_its_start_positions():
     window_starts = (inputs[-1] - 8).clamp(min=0).to(torch.int32)
     starts = [window_starts if layer.local else None for layer in fused.layers]
     expected = _layer_by_layer(stepwise, h.clone(), *inputs, starts)
-    got = ops.decode_layers(fused, h.clone(), *inputs, None, starts)
+    got = ops.decode_layers(fused, h.clone(), *inputs, [], starts)
     assert torch.equal(got, expected)
     unwindowed = ops.decode_layers(_tiny_model(gemma=True), h.clone(), *inputs)
     assert not torch.equal(got, unwindowed)  # the window bites
     with pytest.raises(RuntimeError, match="one entry per layer or none, got 1 for 2 layers"):
-        ops.decode_layers(_tiny_model(gemma=True), h.clone(), *inputs, None, starts[:1])
+        ops.decode_layers(_tiny_model(gemma=True), h.clone(), *inputs, [], starts[:1])
 
 
 def _layer_with(layer, **changes):
