@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from kvserve.kernels.build import build_for
-from kvserve.kernels.isa import chosen_level, cpu_flags, cpu_has  # noqa: F401  (re-exported)
+from kvserve.kernels.isa import bf16_pair_dots, chosen_level, cpu_flags, cpu_has  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _load(level: str | None):
         logger.warning("building kvserve CPU kernels for %s (once per machine and checkout, ~1 min)", build.level)
     _wait_for_other_builds(build_dir / "lock")
     try:
-        return load(
+        module = load(
             name=name,
             sources=[str(p) for p in build.compile_units(build_dir)],
             extra_cflags=build.ninja_cflags,
@@ -81,6 +81,9 @@ def _load(level: str | None):
         _build_failures[level] = f"the {build.level} kernels failed to build ({str(exc)[:200]})"
         logger.warning("CPU kernels (%s) failed to build (%s); using the plain-torch path", build.level, exc)
         return None
+    # the bf16 GEMM's compute format where the level has pair dots, once for the process
+    module.set_bf16_pair_dots(bf16_pair_dots()[0])
+    return module
 
 
 # A build takes about a minute; a lock this old belongs to a build that was killed

@@ -356,6 +356,14 @@ class CpuOps(Protocol):
     def gemv_vnni(self, x: torch.Tensor, packed: torch.Tensor, /) -> torch.Tensor:
         """y = x @ w.T for 1..gemv_max_rows rows, bf16, on amx_pack_weight(w)."""
 
+    def set_bf16_pair_dots(self, on: bool) -> bool:
+        """The bf16 GEMM on the VNNI tiles by VDPBF16PS pair dots (True) or weights widened to fp32 FMAs
+        (False), for every later call of the process; returns what is in effect (always False at a level
+        without pair dots). kvserve/kernels/__init__.py sets it once at load (isa.bf16_pair_dots)."""
+
+    def bf16_pair_dots(self) -> bool:
+        """Whether the bf16 GEMM on the VNNI tiles takes VDPBF16PS pair dots."""
+
     def gemm_vnni(self, x: torch.Tensor, packed: torch.Tensor, /) -> torch.Tensor:
         """y = x @ w.T for any number of rows, bf16, on amx_pack_weight(w)."""
 

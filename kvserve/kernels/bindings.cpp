@@ -52,6 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");
   m.def("gemv_vnni", &gemv_vnni, "y = x @ w.T for small M, bf16, on amx_pack_weight(w)");
+  m.def("set_bf16_pair_dots", &set_bf16_pair_dots,
+        "the bf16 GEMM by VDPBF16PS pair dots (True) or widened fp32 FMAs (False), for every later call; returns "
+        "what is in effect (always False at a level without pair dots)", py::arg("on"));
+  m.def("bf16_pair_dots", &bf16_pair_dots, "whether the bf16 GEMM on the VNNI tiles takes VDPBF16PS pair dots");
   m.def("gemm_vnni", &gemm_vnni, "y = x @ w.T for any M, bf16, on amx_pack_weight(w)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV pool (int8 pools with their scales)", py::arg("q"), py::arg("k_pool"),

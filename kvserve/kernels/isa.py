@@ -170,6 +170,43 @@ def chosen_level(forced: str | None = None) -> str | None:
     return native_level()
 
 
+BF16_DOTS_ENV = "KVSERVE_BF16_DOTS"
+
+
+def vendor_from_cpuinfo(text: str) -> str | None:
+    """The first processor's vendor_id ("GenuineIntel", "AuthenticAMD"), None where there is none (ARM)."""
+    for line in text.splitlines():
+        if line.split(":", 1)[0].strip() == "vendor_id" and ":" in line:
+            return line.split(":", 1)[1].strip() or None
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str | None:
+    try:
+        return vendor_from_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return None
+
+
+def bf16_pair_dots(vendor: str | None = None, env: str | None = None) -> tuple[bool, str]:
+    """Whether the bf16 GEMM takes VDPBF16PS pair dots at the levels that have them
+    (avx512-bf16, amx), and why. By measurement per vendor (python -m benchmarks.kernel_levels
+    --only "gemm_vnni bf16"): on Zen 4 the pair dots ran about twice the rate of weights widened
+    to fp32 FMAs; on an Intel Xeon (Sapphire Rapids) at 0.54-0.77x of it from 8 rows up, even
+    at 1 row. Other vendors keep the pair dots. $KVSERVE_BF16_DOTS=pair|widen overrides."""
+    env = os.environ.get(BF16_DOTS_ENV, "") if env is None else env
+    env = env.strip().lower()
+    if env:
+        if env not in ("pair", "widen"):
+            raise ConfigError(BF16_DOTS_ENV, f"must be 'pair' or 'widen', got {env!r}")
+        return env == "pair", f"{BF16_DOTS_ENV}={env}"
+    vendor = cpu_vendor() if vendor is None else vendor
+    if vendor == "GenuineIntel":
+        return False, "widened to fp32 FMAs: VDPBF16PS ran at 0.54-0.77x of them on an Intel core"
+    return True, "VDPBF16PS pair dots"
+
+
 def cpu_supports_bf16() -> bool:
     """Whether oneDNN (torch's CPU matmuls) computes bf16 natively here: the plain-torch
     path's test for bf16 weights where no kernel level runs."""

@@ -116,6 +116,11 @@ at::Tensor gemm_vnni(at::Tensor x, at::Tensor packed);
 
 // True when this CPU has AMX-BF16 and Linux let this process use the tile registers.
 bool amx_available();
+// The bf16 GEMM's compute format on the VNNI tiles at the levels with bf16 pair dots
+// (avx512-bf16, amx): VDPBF16PS pair dots (on) or weights widened to fp32 FMAs (off), the same
+// for every call of the process; elsewhere always off. Returns what is now in effect.
+bool set_bf16_pair_dots(bool on);
+bool bf16_pair_dots();
 // w [N, K] bf16 → VNNI tiles [N/16, K/32, 16, 32]
 at::Tensor amx_pack_weight(at::Tensor w);
 at::Tensor amx_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.kernels.isa import cpu_supports_bf16
+from kvserve.kernels.isa import bf16_pair_dots, cpu_supports_bf16
 from kvserve.arch import ModelArchitecture
 
 if TYPE_CHECKING:
@@ -207,8 +207,14 @@ class KernelSupport:
         argmax_rows = verdict([family("argmax")], "greedy rows of the sampler")
 
         vnni_tiles = prepack_weights and (not amx or deterministic)
+        # at the pair-dot levels the VNNI tiles' bf16 products take one of two formats (isa.bf16_pair_dots)
+        tile_format = ""
+        if level in ("avx512-bf16", "amx"):
+            tile_format = (", bf16 pair dots (VDPBF16PS)" if ops.bf16_pair_dots()
+                           else f", bf16 {bf16_pair_dots()[1]}" if not bf16_pair_dots()[0]
+                           else ", bf16 widened to fp32 FMAs")  # fmt: skip
         gemv = verdict([family("gemv"), None if bf16 else "bfloat16 weights only"],
-                       f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" if vnni_tiles else "row-major"))
+                       f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" + tile_format if vnni_tiles else "row-major"))
         amx_linear = verdict(
             [None if bf16 else "bfloat16 only",
              None if amx else "the CPU has no AMX-BF16" if level == "amx" else f"no AMX at the {level} level",

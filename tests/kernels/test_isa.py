@@ -279,3 +279,19 @@ def test_an_arm_build_holds_no_instruction_above_its_level(level, tmp_path):
     if level != "neon-i8mm":
         forbidden.append(("I8MM (USDOT/SMMLA)", _I8MM))
     _assert_instructions(level, lines, forbidden, {"neon-dotprod": _SDOT, "neon-i8mm": _I8MM}.get(level))
+
+
+def test_the_bf16_tile_format_follows_the_vendor_unless_forced():
+    """isa.bf16_pair_dots: VDPBF16PS pair dots on AMD (measured twice the widened rate on Zen 4)
+    and on vendors not measured, weights widened to fp32 FMAs on Intel (measured 0.54-0.77x
+    there); $KVSERVE_BF16_DOTS=pair|widen overrides, anything else is refused by name."""
+    assert isa.vendor_from_cpuinfo("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: avx2\n") == "AuthenticAMD"
+    assert isa.vendor_from_cpuinfo("processor\t: 0\nFeatures\t: fp asimd\n") is None
+    assert isa.bf16_pair_dots("AuthenticAMD", "")[0] is True
+    assert isa.bf16_pair_dots("CentaurHauls", "")[0] is True  # a vendor not measured keeps them
+    on, why = isa.bf16_pair_dots("GenuineIntel", "")
+    assert on is False and "Intel" in why
+    assert isa.bf16_pair_dots("GenuineIntel", "pair") == (True, "KVSERVE_BF16_DOTS=pair")
+    assert isa.bf16_pair_dots("AuthenticAMD", " WIDEN ") == (False, "KVSERVE_BF16_DOTS=widen")
+    with pytest.raises(ConfigError, match="KVSERVE_BF16_DOTS.*'pair' or 'widen'"):
+        isa.bf16_pair_dots("AuthenticAMD", "fast")

@@ -380,6 +380,28 @@ def test_linear_without_amx_gives_a_row_the_same_bits_at_every_row_count():
         assert torch.equal(lin(x[start : start + 3])[0], lin(x[start : start + 1])[0])
 
 
+@pytest.mark.parametrize("pair_dots", [True, False], ids=["pair-dots", "widened"])
+def test_both_bf16_formats_of_the_tiles_give_a_row_the_same_bits_at_every_row_count(pair_dots):
+    """The bf16 GEMM on the VNNI tiles in either compute format (isa.bf16_pair_dots: VDPBF16PS
+    pair dots, or the weights widened to fp32 FMAs) sums every output in one order, so a row's
+    bits do not depend on its call; the two formats differ from each other only by rounding.
+    A level without pair dots refuses them (always widened)."""
+    level_has_pairs = ops.isa_level() in ("avx512-bf16", "amx")
+    before = ops.bf16_pair_dots()
+    try:
+        assert ops.set_bf16_pair_dots(pair_dots) == (pair_dots and level_has_pairs)
+        g = torch.Generator().manual_seed(1)
+        w = (torch.randn(64, 1024, generator=g) * 2.0 ** torch.randint(-8, 9, (64, 1024), generator=g)).bfloat16()
+        packed = ops.amx_pack_weight(w)
+        x = (torch.randn(300, 1024, generator=g) * 2.0 ** torch.randint(-8, 9, (300, 1024), generator=g)).bfloat16()
+        alone = torch.cat([ops.gemm_vnni(x[i : i + 1], packed) for i in range(40)])
+        for rows in (1, 2, 3, 8, 9, 17, 40, 65, 145, 300):
+            assert torch.equal(ops.gemm_vnni(x[:rows], packed)[: min(rows, 40)], alone[: min(rows, 40)]), rows
+        torch.testing.assert_close(ops.gemm_vnni(x, packed).float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-2)
+    finally:
+        ops.set_bf16_pair_dots(before)
+
+
 @needs_amx
 def test_linear_on_amx_reads_one_tile_copy_for_the_gemv_and_tiles_up_to_1024_rows():
     """On AMX the GEMV streams the VNNI tiles, which are the AMX kernel's layout: one copy for

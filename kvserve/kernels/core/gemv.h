@@ -23,7 +23,11 @@ void gemv_rowmajor(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M,
 // (w[16nb + n][32kb + 2kp], w[16nb + n][32kb + 2kp + 1])). N % 16 == 0, K % 32 == 0, any M.
 // Every output sums its K products in k order into one fp32 accumulator, whatever M and
 // whichever tile shape serves its row: a row's bits never depend on the rest of the call.
-void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, int64_t K, int64_t N);
+// pair_dots (the levels with simd::kBf16Dot only): the products by VDPBF16PS pair dots, else
+// widened to fp32 and FMA'd as the levels below do; the two give different bits, so a
+// process keeps one choice for every call (ops/gemv.cpp set_bf16_pair_dots).
+void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, int64_t K, int64_t N,
+                bool pair_dots = simd::kBf16Dot);
 
 }  // namespace gemv
 }  // namespace KVSERVE_LEVEL_NS

@@ -519,11 +519,12 @@ void pair_gemm(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, in
 
 }  // namespace
 
-void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, int64_t K, int64_t N) {
+void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, int64_t K, int64_t N, bool pair_dots) {
   const int64_t NB = N / kTileN;
   if (M <= 0 || NB <= 0) return;
   const bool parallel = M * N * K >= kParallelMacs && omp_get_max_threads() > 1;
-  if constexpr (simd::kBf16Dot) return pair_gemm(x, wp, y, M, K, N, parallel);
+  if constexpr (simd::kBf16Dot)
+    if (pair_dots) return pair_gemm(x, wp, y, M, K, N, parallel);
   static thread_local std::vector<float> xbuf;
   if (M <= kDirectRows) {
     float* xf = scratch(xbuf, static_cast<size_t>(M * K));

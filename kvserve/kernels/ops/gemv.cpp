@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <atomic>
+
 #include "../core/gemv.h"
 #include "../kernels.h"
 
@@ -15,6 +17,12 @@ namespace gemv_core = kvserve::KVSERVE_LEVEL_NS::gemv;
 static_assert(gemv_core::kTileN == kWeightTileRows && gemv_core::kTileK == kWeightTileK, "the core's VNNI tiles are kernels.h's");
 
 namespace {
+
+// Whether this process's bf16 GEMMs on the VNNI tiles take VDPBF16PS pair dots (the levels that
+// have them) or widen to fp32 FMAs: set once at load (kvserve/kernels/isa.py bf16_pair_dots
+// says which pays on this CPU), the same for every call so that a row's bits never depend on
+// the call it lands in.
+std::atomic<bool> g_pair_dots{kvserve::KVSERVE_LEVEL_NS::simd::kBf16Dot};
 
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* bits_out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -39,11 +47,18 @@ at::Tensor run_tiles(at::Tensor x, const at::Tensor& packed) {
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kWeightTileRows;
   auto y = at::empty({M, N}, x.options());
-  if (M > 0) gemv_core::gemm_tiles(bits(x), bits(packed), bits_out(y), M, K, N);
+  if (M > 0) gemv_core::gemm_tiles(bits(x), bits(packed), bits_out(y), M, K, N, g_pair_dots.load(std::memory_order_relaxed));
   return y;
 }
 
 }  // namespace
+
+bool set_bf16_pair_dots(bool on) {
+  g_pair_dots.store(on && kvserve::KVSERVE_LEVEL_NS::simd::kBf16Dot);
+  return g_pair_dots.load();
+}
+
+bool bf16_pair_dots() { return g_pair_dots.load(); }
 
 // y[M, N] = x[M, K] · w[N, K]ᵀ, 1 <= M <= kGemvMaxRows, bf16, w row-major
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor w) {

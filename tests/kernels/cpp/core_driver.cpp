@@ -112,8 +112,10 @@ core::nra::RopeArgs<E> rope_args(const Case& c) {
 void run(const Case& c) {
   const std::string& f = c.family;
   if (f == "gemv_rowmajor" || f == "gemm_tiles") {
-    auto fn = f == "gemv_rowmajor" ? core::gemv::gemv_rowmajor : core::gemv::gemm_tiles;
-    fn(c.at<uint16_t>("x"), c.at<uint16_t>("w"), c.at<uint16_t>("y"), c.i("M"), c.i("K"), c.i("N"));
+    if (f == "gemv_rowmajor")
+      core::gemv::gemv_rowmajor(c.at<uint16_t>("x"), c.at<uint16_t>("w"), c.at<uint16_t>("y"), c.i("M"), c.i("K"), c.i("N"));
+    else  // the level's own compute format (the ARM levels have no bf16 pair dots)
+      core::gemv::gemm_tiles(c.at<uint16_t>("x"), c.at<uint16_t>("w"), c.at<uint16_t>("y"), c.i("M"), c.i("K"), c.i("N"));
   } else if (f == "quant_linear") {
     const auto segs = segments(c);
     const int64_t M = c.i("M"), K = c.i("K");
