@@ -81,8 +81,9 @@ def _load(level: str | None):
         _build_failures[level] = f"the {build.level} kernels failed to build ({str(exc)[:200]})"
         logger.warning("CPU kernels (%s) failed to build (%s); using the plain-torch path", build.level, exc)
         return None
-    # the bf16 GEMM's compute format where the level has pair dots, once for the process
-    module.set_bf16_pair_dots(bf16_pair_dots()[0])
+    # the bf16 GEMM's compute format where the level has pair dots (KernelSupport.decide sets it
+    # again for an engine that runs every row on the VNNI tiles: --deterministic)
+    module.set_bf16_pair_dots(bf16_pair_dots(level=build.level, tiles_serve_every_row=build.level != "amx")[0])
     return module
 
 

@@ -189,12 +189,18 @@ def cpu_vendor() -> str | None:
         return None
 
 
-def bf16_pair_dots(vendor: str | None = None, env: str | None = None) -> tuple[bool, str]:
-    """Whether the bf16 GEMM takes VDPBF16PS pair dots at the levels that have them
-    (avx512-bf16, amx), and why. By measurement per vendor (python -m benchmarks.kernel_levels
-    --only "gemm_vnni bf16"): on Zen 4 the pair dots ran about twice the rate of weights widened
-    to fp32 FMAs; on an Intel Xeon (Sapphire Rapids) at 0.54-0.77x of it from 8 rows up, even
-    at 1 row. Other vendors keep the pair dots. $KVSERVE_BF16_DOTS=pair|widen overrides."""
+def bf16_pair_dots(
+    vendor: str | None = None, env: str | None = None, level: str | None = None, tiles_serve_every_row: bool = True,
+) -> tuple[bool, str]:
+    """Whether the bf16 GEMM on the VNNI tiles takes VDPBF16PS pair dots at the levels that
+    have them (avx512-bf16, amx), and why; one choice per process, so a row's bits never
+    depend on its call. By measurement (python -m benchmarks.kernel_levels --only "gemm_vnni
+    bf16"): on Zen 4 the pair dots ran about twice the rate of weights widened to fp32 FMAs; on
+    an Intel Xeon (Sapphire Rapids) at 0.54-0.73x of it from 4 rows up, and 1.0-1.17x at one
+    row. So on Intel the tiles widen where they serve every row count (`tiles_serve_every_row`:
+    the avx512-bf16 level, or --deterministic at any level), and keep the pair dots at `amx`,
+    where they serve only the GEMV's few rows (AMX tiles the rest) and batch 1 is their case.
+    Other vendors keep the pair dots. $KVSERVE_BF16_DOTS=pair|widen overrides."""
     env = os.environ.get(BF16_DOTS_ENV, "") if env is None else env
     env = env.strip().lower()
     if env:
@@ -202,8 +208,8 @@ def bf16_pair_dots(vendor: str | None = None, env: str | None = None) -> tuple[b
             raise ConfigError(BF16_DOTS_ENV, f"must be 'pair' or 'widen', got {env!r}")
         return env == "pair", f"{BF16_DOTS_ENV}={env}"
     vendor = cpu_vendor() if vendor is None else vendor
-    if vendor == "GenuineIntel":
-        return False, "widened to fp32 FMAs: VDPBF16PS ran at 0.54-0.77x of them on an Intel core"
+    if vendor == "GenuineIntel" and (level != "amx" or tiles_serve_every_row):
+        return False, "widened to fp32 FMAs (VDPBF16PS ran at 0.54-0.73x of them on an Intel core from 4 rows)"
     return True, "VDPBF16PS pair dots"
 
 

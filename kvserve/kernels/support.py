@@ -127,7 +127,8 @@ class KernelSupport:
         """`ops`: the compiled module (kvserve.kernels.cpu_ops()), or None where it is off.
         `kv_dtype`: the KV pools' elements (None: the model's dtype); int8 pools carry scales.
         `deterministic`: only kernels whose sums have one order for every row count (bf16
-        projections on the VNNI tiles for every row count, never AMX's or oneDNN's)."""
+        projections on the VNNI tiles for every row count, never AMX's or oneDNN's). Sets the
+        process's bf16 tile format (ops.set_bf16_pair_dots, isa.bf16_pair_dots) for this engine."""
         if device.type != "cpu":
             return cls.none(f"the kernels are CPU kernels; this model runs on {device}")
         if ops is None:
@@ -206,15 +207,16 @@ class KernelSupport:
                                "one pass" if arch.hidden_act == "silu" else f"{arch.hidden_act}(gate)·up, one pass")
         argmax_rows = verdict([family("argmax")], "greedy rows of the sampler")
 
-        vnni_tiles = prepack_weights and (not amx or deterministic)
-        # at the pair-dot levels the VNNI tiles' bf16 products take one of two formats (isa.bf16_pair_dots)
+        # at the pair-dot levels the VNNI tiles' bf16 products take one of two formats
+        # (isa.bf16_pair_dots), set here for the process: one format for every row count
         tile_format = ""
         if level in ("avx512-bf16", "amx"):
-            tile_format = (", bf16 pair dots (VDPBF16PS)" if ops.bf16_pair_dots()
-                           else f", bf16 {bf16_pair_dots()[1]}" if not bf16_pair_dots()[0]
-                           else ", bf16 widened to fp32 FMAs")  # fmt: skip
+            pair, why = bf16_pair_dots(level=level, tiles_serve_every_row=not amx or deterministic)
+            ops.set_bf16_pair_dots(pair)
+            tile_format = f", bf16 {why}"
+        # the GEMV reads the VNNI tiles wherever weights are prepacked (at amx, AMX's own copy)
         gemv = verdict([family("gemv"), None if bf16 else "bfloat16 weights only"],
-                       f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" + tile_format if vnni_tiles else "row-major"))
+                       f"1-{lim['gemv_max_rows']} rows " + ("on VNNI tiles" + tile_format if prepack_weights else "row-major"))
         amx_linear = verdict(
             [None if bf16 else "bfloat16 only",
              None if amx else "the CPU has no AMX-BF16" if level == "amx" else f"no AMX at the {level} level",

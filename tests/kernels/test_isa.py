@@ -283,14 +283,20 @@ def test_an_arm_build_holds_no_instruction_above_its_level(level, tmp_path):
 
 def test_the_bf16_tile_format_follows_the_vendor_unless_forced():
     """isa.bf16_pair_dots: VDPBF16PS pair dots on AMD (measured twice the widened rate on Zen 4)
-    and on vendors not measured, weights widened to fp32 FMAs on Intel (measured 0.54-0.77x
-    there); $KVSERVE_BF16_DOTS=pair|widen overrides, anything else is refused by name."""
+    and on vendors not measured; on Intel (measured 0.54-0.73x there from 4 rows) weights
+    widened to fp32 FMAs wherever the tiles serve every row count; $KVSERVE_BF16_DOTS=pair|widen
+    overrides, anything else is refused by name."""
     assert isa.vendor_from_cpuinfo("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: avx2\n") == "AuthenticAMD"
     assert isa.vendor_from_cpuinfo("processor\t: 0\nFeatures\t: fp asimd\n") is None
     assert isa.bf16_pair_dots("AuthenticAMD", "")[0] is True
     assert isa.bf16_pair_dots("CentaurHauls", "")[0] is True  # a vendor not measured keeps them
     on, why = isa.bf16_pair_dots("GenuineIntel", "")
     assert on is False and "Intel" in why
+    # at amx the tiles serve only the GEMV's rows (AMX the rest) unless --deterministic
+    assert isa.bf16_pair_dots("GenuineIntel", "", "amx", tiles_serve_every_row=False)[0] is True
+    assert isa.bf16_pair_dots("GenuineIntel", "", "amx", tiles_serve_every_row=True)[0] is False
+    assert isa.bf16_pair_dots("GenuineIntel", "", "avx512-bf16", tiles_serve_every_row=True)[0] is False
+    assert isa.bf16_pair_dots("AuthenticAMD", "", "avx512-bf16")[0] is True
     assert isa.bf16_pair_dots("GenuineIntel", "pair") == (True, "KVSERVE_BF16_DOTS=pair")
     assert isa.bf16_pair_dots("AuthenticAMD", " WIDEN ") == (False, "KVSERVE_BF16_DOTS=widen")
     with pytest.raises(ConfigError, match="KVSERVE_BF16_DOTS.*'pair' or 'widen'"):
