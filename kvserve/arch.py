@@ -228,15 +228,12 @@ class ModelArchitecture:
     def fused_layer_refusal(self) -> str | None:
         """None where the fused decode step (kernels/fused_decode.cpp) runs every layer as it is,
         else what it does not run. It runs Llama's layer and the options of it the other
-        families name (q/k norms, Gemma's norms after each branch, GeGLU, local RoPE tables,
-        per-group KV, soft-capped attention scores); scaled embeddings and final soft-capping sit
-        outside its layers."""
-        parts = [what for what, differs in (
-            (f"a {self.hidden_act} MLP", self.hidden_act not in ("silu", "gelu_tanh")),
-            ("routed experts (mixture of experts)", self.num_experts > 0),
-            ("q/k norms over the whole projection", self.qk_norm_whole),
-        ) if differs]  # fmt: skip
-        return ", ".join(parts) or None
+        families name (per-head or whole-projection q/k norms, Gemma's norms after each branch,
+        GeGLU, local RoPE tables, per-group KV, soft-capped attention scores, a sparse layer's
+        experts for one token); scaled embeddings and final soft-capping sit outside its layers."""
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            return f"a {self.hidden_act} MLP"
+        return None
 
     @property
     def rotary_dim(self) -> int:

@@ -119,6 +119,46 @@ class MoeExperts(Protocol):
     ) -> None: ...
 
 
+class DecodeMoe(Protocol):
+    """A sparse layer's FFN as decode_layers runs it for one token: quantized experts by moe_token
+    (`experts`), float ones by their projections (`expert_gate_up`, `expert_down`), with the
+    shared expert where the architecture has one; each step leaves the experts it ran in `chosen`."""
+
+    def __init__(
+        self,
+        *,
+        router: torch.Tensor,
+        top_k: int,
+        norm_topk_prob: bool,
+        experts: MoeExperts | None = None,
+        expert_gate_up: Sequence[Projection] = (),
+        expert_down: Sequence[Projection] = (),
+        shared_gate_up: Projection | None = None,
+        shared_down: Projection | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> None: ...
+
+    @property
+    def router(self) -> torch.Tensor:
+        """fp32 [experts, d]."""
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token."""
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        """The top k's weights renormalised to sum 1."""
+
+    @property
+    def chosen(self) -> list[int]:
+        """The experts the last step ran, in index order (empty before the first)."""
+
+    @property
+    def shared_gate(self) -> torch.Tensor | None:
+        """fp32 [1, d]: the shared expert's sigmoid gate; None where there is no shared expert."""
+
+
 class DecodeLayer(Protocol):
     """One decoder layer's RMSNorm weights and projections, as decode_layers runs them."""
 
@@ -129,8 +169,8 @@ class DecodeLayer(Protocol):
         post_attention_norm: torch.Tensor,
         qkv: Projection,
         o: Projection,
-        gate_up: Projection,
-        down: Projection,
+        gate_up: Projection | None = None,
+        down: Projection | None = None,
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
         attn_out_norm: torch.Tensor | None = None,
@@ -138,6 +178,8 @@ class DecodeLayer(Protocol):
         gelu: bool = False,
         local: bool = False,
         kv_group: int = 0,
+        moe: DecodeMoe | None = None,
+        qk_norm_whole: bool = False,
     ) -> None: ...
 
     @property
@@ -146,7 +188,8 @@ class DecodeLayer(Protocol):
 
     @property
     def q_norm(self) -> torch.Tensor | None:
-        """Per-head RMSNorm weight [H] of the query heads (Qwen3), applied before RoPE; None where the model has none."""
+        """Per-head RMSNorm weight [H] of the query heads (Qwen3), applied before RoPE (with
+        qk_norm_whole, over the whole Q projection); None where the model has none."""
 
     @property
     def k_norm(self) -> torch.Tensor | None:
@@ -166,11 +209,11 @@ class DecodeLayer(Protocol):
 
     @property
     def gate_up(self) -> Projection:
-        """The fused [gate; up] projection (linear_silu_mul; with gelu, linear then gelu_tanh_and_mul)."""
+        """The fused [gate; up] projection (linear_silu_mul; with gelu, linear then gelu_tanh_and_mul); unset with moe."""
 
     @property
     def down(self) -> Projection:
-        """The MLP's down projection."""
+        """The MLP's down projection; unset with moe."""
 
     @property
     def attn_out_norm(self) -> torch.Tensor | None:
@@ -191,6 +234,14 @@ class DecodeLayer(Protocol):
     @property
     def kv_group(self) -> int:
         """Which of the step's slot mappings and block tables (one per KV group) the layer's pools are indexed by."""
+
+    @property
+    def moe(self) -> DecodeMoe | None:
+        """A sparse layer's routed experts (then gate_up and down are unset); None for a dense MLP."""
+
+    @property
+    def qk_norm_whole(self) -> bool:
+        """q_norm and k_norm are RMSNorms over the whole Q and whole K projection (OLMoE), not per head."""
 
 
 class DecodeModel(Protocol):
@@ -321,6 +372,7 @@ class CpuOps(Protocol):
     QUANT_Q8_MIN: int
     QUANT_Q4_K: int
     QUANT_Q6_K: int
+    DecodeMoe: type[DecodeMoe]
     DecodeLayer: type[DecodeLayer]
     DecodeModel: type[DecodeModel]
     SharedPrefixLevel: type[SharedPrefixLevel]

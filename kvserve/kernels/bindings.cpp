@@ -157,21 +157,56 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("amx_max_rows", &Projection::amx_max_rows)
       .def_readonly("silu_interleaved", &Projection::silu_interleaved);
 
+  py::class_<DecodeMoe, std::shared_ptr<DecodeMoe>>(m, "DecodeMoe", py::module_local(),
+                                                    "a sparse layer's routed experts (and shared expert), for decode_layers")
+      .def(py::init([](at::Tensor router, int64_t top_k, bool norm_topk_prob, c10::optional<MoeExperts> experts, std::vector<Projection> expert_gate_up,
+                       std::vector<Projection> expert_down, c10::optional<Projection> shared_gate_up,
+                       c10::optional<Projection> shared_down, c10::optional<at::Tensor> shared_gate) {
+             TORCH_CHECK(experts.has_value() != !expert_gate_up.empty() && expert_gate_up.size() == expert_down.size(),
+                         "DecodeMoe: the experts as quantized segments (experts) or as float projections "
+                         "(expert_gate_up and expert_down, one each per expert), not both");
+             const int64_t E = static_cast<int64_t>(experts ? experts->gate_up.size() : expert_gate_up.size());
+             TORCH_CHECK(router.dim() == 2 && router.size(0) == E && router.scalar_type() == at::kFloat,
+                         "DecodeMoe: the router must be fp32 [experts, d] with one row per expert");
+             TORCH_CHECK(0 < top_k && top_k <= E, "DecodeMoe: top_k ", top_k, " of ", E, " experts");
+             TORCH_CHECK(shared_gate_up.has_value() == shared_gate.has_value() && shared_down.has_value() == shared_gate.has_value(),
+                         "DecodeMoe: a shared expert needs its gate_up, down and gate together");
+             return std::make_shared<DecodeMoe>(DecodeMoe{router, experts.value_or(MoeExperts()), std::move(expert_gate_up),
+                                                          std::move(expert_down), top_k, norm_topk_prob,
+                                                          shared_gate_up.value_or(Projection()),
+                                                          shared_down.value_or(Projection()),
+                                                          shared_gate.value_or(at::Tensor()), {}});
+           }),
+           py::kw_only(), py::arg("router"), py::arg("top_k"), py::arg("norm_topk_prob"), py::arg("experts") = py::none(), py::arg("expert_gate_up") = std::vector<Projection>(),
+           py::arg("expert_down") = std::vector<Projection>(), py::arg("shared_gate_up") = py::none(),
+           py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none())
+      .def_readonly("router", &DecodeMoe::router)
+      .def_readonly("top_k", &DecodeMoe::top_k)
+      .def_readonly("norm_topk_prob", &DecodeMoe::norm_topk_prob)
+      .def_readonly("chosen", &DecodeMoe::chosen)
+      .def_property_readonly("shared_gate", maybe(&DecodeMoe::shared_gate));
+
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local(), "one decoder layer's norms and projections, for decode_layers")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, Projection qkv, Projection o,
-                       Projection gate_up, Projection down, c10::optional<at::Tensor> q_norm,
+                       c10::optional<Projection> gate_up, c10::optional<Projection> down, c10::optional<at::Tensor> q_norm,
                        c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
-                       c10::optional<at::Tensor> mlp_out_norm, bool gelu, bool local, int64_t kv_group) {
+                       c10::optional<at::Tensor> mlp_out_norm, bool gelu, bool local, int64_t kv_group,
+                       std::shared_ptr<DecodeMoe> moe, bool qk_norm_whole) {
              TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayer: q_norm and k_norm come together");
-             TORCH_CHECK(!gelu || !gate_up.silu_interleaved, "DecodeLayer: a GeGLU layer needs the plain [gate; up] projection");
+             TORCH_CHECK(!qk_norm_whole || q_norm.has_value(), "DecodeLayer: qk_norm_whole needs q_norm and k_norm");
+             TORCH_CHECK(moe ? !gate_up && !down && !gelu : gate_up && down,
+                         "DecodeLayer: a dense layer needs gate_up and down, a sparse one (moe) neither");
+             TORCH_CHECK(!gelu || !gate_up->silu_interleaved, "DecodeLayer: a GeGLU layer needs the plain [gate; up] projection");
              return DecodeLayer{input_norm, post_attention_norm, q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()),
-                                qkv, o, gate_up, down, attn_out_norm.value_or(at::Tensor()),
+                                qk_norm_whole, qkv, o, gate_up.value_or(Projection()), down.value_or(Projection()),
+                                std::move(moe), attn_out_norm.value_or(at::Tensor()),
                                 mlp_out_norm.value_or(at::Tensor()), gelu, local, kv_group};
            }),
            py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("gelu") = false,
-           py::arg("local") = false, py::arg("kv_group") = 0)
+           py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
+           py::arg("gelu") = false, py::arg("local") = false, py::arg("kv_group") = 0, py::arg("moe") = py::none(),
+           py::arg("qk_norm_whole") = false)
       .def_readonly("input_norm", &DecodeLayer::input_norm)
       .def_readonly("post_attention_norm", &DecodeLayer::post_attention_norm)
       .def_property_readonly("q_norm", maybe(&DecodeLayer::q_norm))
@@ -184,7 +219,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("mlp_out_norm", maybe(&DecodeLayer::mlp_out_norm))
       .def_readonly("gelu", &DecodeLayer::gelu)
       .def_readonly("local", &DecodeLayer::local)
-      .def_readonly("kv_group", &DecodeLayer::kv_group);
+      .def_readonly("kv_group", &DecodeLayer::kv_group)
+      .def_readonly("moe", &DecodeLayer::moe)
+      .def_readonly("qk_norm_whole", &DecodeLayer::qk_norm_whole);
 
   py::class_<DecodeModel>(m, "DecodeModel", py::module_local(), "every layer, the KV pools and the shapes decode_layers runs on")
       .def(py::init([](std::vector<DecodeLayer> layers, std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,

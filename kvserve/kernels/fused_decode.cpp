@@ -13,7 +13,23 @@
 // and KV group (each group's layers index its own slots and blocks). A layer whose sliding
 // window some row of the step sees past (`window_starts`) reads each row's last W positions
 // through the decode kernel's ranged form, as attention/sliding_window.py does layer by layer.
+// A mixture of experts' sparse layer (DecodeLayer.moe) runs one token's routed experts by
+// moe_token (and its shared expert), so such a model's step is fused at batch 1 only: larger
+// batches group their tokens by expert (model/moe.py), layer by layer. OLMoE's q/k norms over
+// the whole projections are its torch ops here too.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <utility>
 
 #include "kernels.h"
 
@@ -33,6 +49,54 @@ void norm_heads_(at::Tensor& qkv, const DecodeLayer& layer, int64_t num_heads, i
     rows.copy_(rms_norm(rows.reshape({T * count, head_dim}).contiguous(), part == 0 ? layer.q_norm : layer.k_norm, eps, c10::nullopt)
                    .view({T, count, head_dim}));
   }
+}
+
+// OLMoE's q/k norms over the whole Q and whole K projection: model/llama.py
+// WholeProjectionNorm's ATen ops in its order (one process: no AllReduce, each KV head once),
+// so the fused step and the layer-by-layer one agree bitwise.
+at::Tensor norm_whole(const at::Tensor& qkv, const DecodeLayer& layer, int64_t q_size, int64_t kv_size, double eps) {
+  const std::vector<at::Tensor> parts = qkv.to(at::kFloat).split_with_sizes({q_size, kv_size, kv_size}, -1);
+  const at::Tensor sums = at::stack({parts[0].pow(2).sum(-1), parts[1].pow(2).sum(-1)}, -1);
+  const at::Tensor q = parts[0].mul(at::rsqrt(sums.narrow(1, 0, 1).div(q_size).add(eps)));
+  const at::Tensor k = parts[1].mul(at::rsqrt(sums.narrow(1, 1, 1).div(kv_size).add(eps)));
+  const auto dtype = qkv.scalar_type();
+  return at::cat({layer.q_norm.mul(q.to(dtype)), layer.k_norm.mul(k.to(dtype)), parts[2].to(dtype)}, -1);
+}
+
+// One token's float (bf16) experts: model/moe.py route() and _one_token, the same ops in the
+// same order (the experts in index order, each a SiLU MLP on its projections, weighted into
+// an fp32 sum): (out [1, d] fp32, the experts run in index order).
+std::tuple<at::Tensor, at::Tensor> float_experts(const at::Tensor& x, const DecodeMoe& moe) {
+  auto [weights, chosen] = at::topk(at::softmax(at::linear(x.to(at::kFloat), moe.router), -1), moe.top_k, -1);
+  if (moe.norm_topk_prob) weights = weights.div(weights.sum({-1}, true));
+  weights = weights.contiguous();
+  chosen = chosen.contiguous();
+  std::vector<std::pair<int64_t, float>> pairs;
+  for (int64_t j = 0; j < moe.top_k; ++j) pairs.emplace_back(chosen.data_ptr<int64_t>()[j], weights.data_ptr<float>()[j]);
+  std::sort(pairs.begin(), pairs.end());
+  at::Tensor out = at::zeros({1, x.size(1)}, x.options().dtype(at::kFloat));
+  at::Tensor sorted = at::empty({moe.top_k}, chosen.options());
+  for (int64_t j = 0; j < moe.top_k; ++j) {
+    const auto [e, w] = pairs[j];
+    sorted.data_ptr<int64_t>()[j] = e;
+    const at::Tensor y = linear(linear_silu_mul(x, moe.expert_gate_up[e]), moe.expert_down[e]);
+    out.add_(y.to(at::kFloat).mul(static_cast<double>(w)));  // a double scalar, as Python passes its float
+  }
+  return {out, sorted};
+}
+
+// A sparse layer's FFN for one token: model/moe.py SparseMoE.forward's batch-1 path (moe_token
+// for quantized experts, else _one_token's; then _add_shared), the same calls in the same order;
+// the experts run are left in moe.chosen for the Python side's counts.
+at::Tensor sparse_ffn(const at::Tensor& x, DecodeMoe& moe) {
+  auto [out, chosen] = moe.experts.gate_up.empty() ? float_experts(x, moe)
+                                                   : moe_token(x, moe.router, moe.experts, moe.top_k, moe.norm_topk_prob);
+  moe.chosen.assign(chosen.data_ptr<int64_t>(), chosen.data_ptr<int64_t>() + chosen.numel());
+  if (moe.shared_gate.defined()) {
+    const at::Tensor gate = at::sigmoid(at::linear(x.to(at::kFloat), moe.shared_gate));
+    out.add_(gate.mul(linear(linear_silu_mul(x, moe.shared_gate_up), moe.shared_down).to(at::kFloat)));
+  }
+  return out.to(x.scalar_type());
 }
 
 }  // namespace
@@ -62,6 +126,8 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
     TORCH_CHECK(layer.kv_group >= 0 && layer.kv_group < static_cast<int64_t>(slot_mappings.size()),
                 "decode_layers: a layer of KV group ", layer.kv_group, " in a step of ", slot_mappings.size(), " groups");
     TORCH_CHECK(!layer.local || model.cos_local.defined(), "decode_layers: a local layer in a model without local RoPE tables");
+    TORCH_CHECK(!layer.moe || h.size(0) == 1, "decode_layers: a sparse layer runs one token (moe_token), got a batch of ",
+                h.size(0));
   }
   const int64_t B = h.size(0);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
@@ -77,7 +143,8 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
                                       : rms_norm(h, layer.input_norm, eps, c10::nullopt);
     if (!residual.defined()) residual = h;
     at::Tensor qkv = linear(x, layer.qkv);
-    if (layer.q_norm.defined()) norm_heads_(qkv, layer, num_heads, num_kv_heads, head_dim, eps);
+    if (layer.qk_norm_whole) qkv = norm_whole(qkv, layer, num_heads * head_dim, num_kv_heads * head_dim, eps);
+    else if (layer.q_norm.defined()) norm_heads_(qkv, layer, num_heads, num_kv_heads, head_dim, eps);
     at::Tensor q, attn;
     c10::optional<at::Tensor> k_scale, v_scale;
     if (int8) {
@@ -105,7 +172,10 @@ at::Tensor decode_layers(const DecodeModel& model, at::Tensor h, at::Tensor posi
     at::Tensor o = linear(attn.view({B, num_heads * head_dim}), layer.o);
     if (layer.attn_out_norm.defined()) o = rms_norm(o, layer.attn_out_norm, eps, c10::nullopt);
     x = rms_norm(o, layer.post_attention_norm, eps, residual);
-    h = linear(layer.gelu ? gelu_tanh_and_mul(linear(x, layer.gate_up)) : linear_silu_mul(x, layer.gate_up), layer.down);
+    if (layer.moe)
+      h = sparse_ffn(x, *layer.moe);
+    else
+      h = linear(layer.gelu ? gelu_tanh_and_mul(linear(x, layer.gate_up)) : linear_silu_mul(x, layer.gate_up), layer.down);
     if (layer.mlp_out_norm.defined()) h = rms_norm(h, layer.mlp_out_norm, eps, c10::nullopt);
   }
   return residual.add_(h);

@@ -38,6 +38,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -329,10 +330,28 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const Projection& p);
 
 // ---- fused_decode.cpp ---------------------------------------------------------------------
 
+// A sparse layer's FFN in the fused step (a mixture of experts, one token: moe_token), and its
+// shared expert where the architecture has one (Qwen2-MoE: sigmoid(x·g)-gated, added last).
+struct DecodeMoe {
+  at::Tensor router;  // fp32 [E, d]
+  MoeExperts experts;  // quantized experts (moe_token), or empty and then:
+  std::vector<Projection> expert_gate_up, expert_down;  // each expert's float projections, [gate; up] and down
+  int64_t top_k = 0;
+  bool norm_topk_prob = false;
+  Projection shared_gate_up, shared_down;  // the shared expert's; unset where shared_gate is undefined
+  at::Tensor shared_gate;                  // fp32 [1, d]; undefined: no shared expert
+  std::vector<int64_t> chosen;  // the experts the last step ran, in index order (the Python side's counts)
+};
+
 struct DecodeLayer {
   at::Tensor input_norm, post_attention_norm;  // RMSNorm weights: before attention, before the MLP
-  at::Tensor q_norm, k_norm;  // per-head q/k RMSNorm weights [H] (Qwen3, Gemma 3); undefined where the model has none
-  Projection qkv, o, gate_up, down;
+  // per-head q/k RMSNorm weights [H] (Qwen3, Gemma 3), or with qk_norm_whole the weights of
+  // RMSNorms over the whole Q and whole K projection (OLMoE, in fp32 as model/llama.py
+  // WholeProjectionNorm); undefined where the model has none
+  at::Tensor q_norm, k_norm;
+  bool qk_norm_whole = false;
+  Projection qkv, o, gate_up, down;  // gate_up and down unset in a sparse layer (moe)
+  std::shared_ptr<DecodeMoe> moe;    // null: a dense MLP
   // Gemma's norms of each branch's output before it joins the residual stream (its
   // post_attention_layernorm and post_feedforward_layernorm); undefined where the model has none
   at::Tensor attn_out_norm, mlp_out_norm;
@@ -353,7 +372,7 @@ struct DecodeModel {  // built once per loaded model (and again when the KV pool
   double softcap = 0;  // the attention kernels' softcap (Gemma 2's attention-logit soft-capping), 0: none
 };
 
-// Every decoder layer of a decode batch in one call; returns the residual stream after the
+// Every decoder layer of a decode batch in one call (one row where a layer is sparse: moe_token); returns the residual stream after the
 // last layer (before the final norm). slot_mappings and block_tables: one per KV group
 // (engine/kv_groups.py; a model whose layers are of one kind has one), layer l reading
 // entry layers[l].kv_group. shared_prefixes: empty, or one plan per KV group over that group's

@@ -249,8 +249,11 @@ class KernelSupport:
                                ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))]
             + [None if qk_norm.enabled or not arch.qk_norm_per_head else "q/k norm is off",
                None if arch.fused_layer_refusal is None else f"the step does not run {arch.fused_layer_refusal}"],
-            "all layers of a decode batch in one C++ call",
-        )
+            "all layers of a decode batch in one C++ call" if not arch.num_experts else
+            # moe_token runs one token's experts; a batch's tokens are grouped by expert (model/moe.py)
+            "all layers of a batch-1 decode step in one C++ call (its sparse layers' experts as at one "
+            "token; larger batches group their tokens by expert, layer by layer)",
+        )  # fmt: skip
         return cls(
             quant_linear=cls.quant_linear_choice(dtype, device, ops),
             summary=f"kvserve CPU kernels at the {level} level" + (" (AMX tiles granted)" if amx else ""),

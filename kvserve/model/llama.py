@@ -347,7 +347,12 @@ class LlamaForCausalLM(nn.Module):
         readable = all(
             lin.fused_projection() is not None for lin in self.projections() if lin not in (self.lm_head, self.embed_tokens)
         )
-        self._fused_rows = self.kernels.fused_decode_rows(readable)
+        rows = self.kernels.fused_decode_rows(readable)
+        # a sparse layer runs one token in the step (moe_token); larger batches group tokens by expert
+        sparse = self.sparse_layers()
+        if sparse and rows:
+            rows = 1 if all(moe.decode_moe(self.kernels.ops) is not None for moe in sparse) else 0
+        self._fused_rows = rows
 
     def bind_kv_cache(
         self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
@@ -481,12 +486,15 @@ class LlamaForCausalLM(nn.Module):
                 else rows.start_positions
                 for layer in self.layers
             ]  # fmt: skip
-            return self.kernels.ops.decode_layers(
+            out = self.kernels.ops.decode_layers(
                 self.decode_model(), h, positions, [m.slot_mapping for m in groups],
                 [m.decode_block_tables for m in groups], groups[0].decode_context_lens,
                 [] if plan is None else [None if m.shared_prefix is None else m.shared_prefix.kernel_plan for m in groups],
                 starts,
             )
+            for moe in self.sparse_layers():  # the experts each sparse layer ran, as its forward() counts them
+                moe.count_fused_step()
+            return out
         ropes = self._ropes(positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -531,26 +539,36 @@ class LlamaForCausalLM(nn.Module):
         under tensor parallelism: the C++ step has no AllReduce between its layers)."""
         return self._fused_rows if self.fused_decode and self.tp is None else 0
 
+    @staticmethod
+    def _decode_layer(ops, layer: LlamaDecoderLayer):
+        """ops.DecodeLayer: one layer's norms and projections (a sparse layer's experts by
+        SparseMoE.decode_moe; OLMoE's whole-projection q/k norms as their weights)."""
+        attn = layer.self_attn
+        if attn.whole_norm is not None:
+            q_norm, k_norm = attn.whole_norm.q_weight.detach(), attn.whole_norm.k_weight.detach()
+        else:
+            q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
+            k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
+        sparse = isinstance(layer.mlp, SparseMoE)
+        return ops.DecodeLayer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            post_attention_norm=layer.post_attention_layernorm.weight.detach(),
+            qkv=attn.qkv.fused_projection(),
+            o=attn.o.fused_projection(),
+            gate_up=None if sparse else layer.mlp.gate_up.fused_projection(),
+            down=None if sparse else layer.mlp.down.fused_projection(),
+            moe=layer.mlp.decode_moe(ops) if sparse else None,
+            q_norm=q_norm, k_norm=k_norm, qk_norm_whole=attn.whole_norm is not None,
+            attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight.detach(),
+            mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight.detach(),
+            gelu=isinstance(layer.mlp, GeluTanhMLP), local=layer.local, kv_group=layer.kv_group,
+        )  # fmt: skip
+
     def decode_model(self):
         """ops.DecodeModel: each layer's norms and its projections as their methods packed them."""
         if self._decode_model is None:
             ops = self.kernels.ops
-            layers = [
-                ops.DecodeLayer(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-                    qkv=layer.self_attn.qkv.fused_projection(),
-                    o=layer.self_attn.o.fused_projection(),
-                    gate_up=layer.mlp.gate_up.fused_projection(),
-                    down=layer.mlp.down.fused_projection(),
-                    q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight.detach(),
-                    k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight.detach(),
-                    attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight.detach(),
-                    mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight.detach(),
-                    gelu=isinstance(layer.mlp, GeluTanhMLP), local=layer.local, kv_group=layer.kv_group,
-                )
-                for layer in self.layers
-            ]
+            layers = [self._decode_layer(ops, layer) for layer in self.layers]
             arch = self.arch
             attns = [layer.self_attn for layer in self.layers]
             int8 = attns[0].k_scale is not None

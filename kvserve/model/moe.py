@@ -12,7 +12,9 @@ sum in expert order, so a row's result depends neither on which other tokens sha
 expert (Qwen2-MoE) runs on every token, gated by sigmoid(x·g), and joins the sum last, as in
 transformers. A batch-1 step (one token) skips the sort, and where the experts are quantized
 runs its k experts' [gate; up] as one quant_linear call over their stacked segments (the same
-bits as k calls: each output row is one weight row's dot with the same quantized x).
+bits as k calls: each output row is one weight row's dot with the same quantized x). That
+batch-1 path also runs inside the fused decode step (`decode_moe`, kernels/fused_decode.cpp),
+the same calls in C++, so a batch-1 step of a mixture of experts is one call as well.
 
 `ExpertCounts` tallies what the steps read: experts touched per sparse layer and their weight
 bytes (as held: a quantized expert's codes, scales and minima), for the metrics and the benches.
@@ -75,6 +77,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Parameter(gate, requires_grad=False)
         self._expert_bytes: list[int] | None = None  # each expert's, once its weights are processed
         self._token_experts = None  # (ops, ops.MoeExperts) for moe_token, False where it cannot run, once decided
+        self._decode_moe = None  # the ops.DecodeMoe of the last decode_moe(): its `chosen` after each fused step
         self._all_bytes = 0
 
     def expert_bytes(self, e: int) -> int:
@@ -157,6 +160,37 @@ class SparseMoE(nn.Module):
             else:
                 self._token_experts = False
         return self._token_experts or None
+
+    def decode_moe(self, ops):
+        """ops.DecodeMoe: this layer as the fused decode step runs it for one token
+        (kernels/fused_decode.cpp: moe_token for quantized experts, else each expert's
+        projections; the shared expert after), the same calls as forward() at one token; None
+        where forward() would take a path it does not (an activation off the silu kernel, a
+        projection with no fused form). Its `chosen` then says what each step ran (count_fused_step)."""
+        shared = {}
+        if self.shared_expert is not None:
+            mlp = self.shared_expert
+            gate_up, down = mlp.gate_up.fused_projection(), mlp.down.fused_projection()
+            if gate_up is None or down is None or mlp.gate_up.method.silu_ops is None:
+                return None
+            shared = dict(shared_gate_up=gate_up, shared_down=down, shared_gate=self.shared_expert_gate.detach())
+        token = self._token_kernel()
+        if token is not None:
+            experts = dict(experts=token[1])
+        else:  # forward()'s _one_token: each float expert whole (SiluMLP on the silu kernel)
+            ups, downs = [m.gate_up for m in self.experts], [m.down for m in self.experts]
+            projections = [lin.fused_projection() for lin in ups + downs]
+            if (None in projections or any(isinstance(lin.method, CpuQuantLinearMethod) for lin in ups + downs)
+                    or any(lin.method.silu_ops is None for lin in ups)):
+                return None
+            experts = dict(expert_gate_up=projections[: len(ups)], expert_down=projections[len(ups) :])
+        self._decode_moe = ops.DecodeMoe(router=self.router.detach(), top_k=self.top_k,
+                                         norm_topk_prob=self.norm_topk_prob, **experts, **shared)  # fmt: skip
+        return self._decode_moe
+
+    def count_fused_step(self) -> None:
+        """Count the step the fused decode step just ran (the experts it left in `chosen`)."""
+        self._count(self.top_k, sum(self.expert_bytes(e) for e in self._decode_moe.chosen))
 
     def _gate_up_at_once(self, experts: list[int], x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate)·up [k, F] of one token's k experts in one quant_linear call over their

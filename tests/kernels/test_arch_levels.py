@@ -39,9 +39,9 @@ SHAPES = {
                            sliding_window=8),
     # Mistral v0.1's window (8 here, past the prompt): every row on the decode kernel's ranged form
     "mistral-window": dict(model_type="mistral", num_heads=4, num_kv_heads=2, hidden_size=256, sliding_window=8),
-    # mixtures of experts: each expert's bf16 projections on the kernels (the layers layer by
-    # layer): Qwen3-MoE's per-head norms at head_dim 128, Qwen2-MoE's shared expert, OLMoE's
-    # norms over the whole projections. Every token runs all 4 experts here: a top-k choice that
+    # mixtures of experts: each expert's bf16 projections on the kernels (a batch-1 step fused,
+    # its sparse layers' experts each on its projections): Qwen3-MoE's per-head norms at
+    # head_dim 128, Qwen2-MoE's shared expert, OLMoE's norms over the whole projections. Every token runs all 4 experts here: a top-k choice that
     # bf16's rounding flips on a random router is a different model, not a kernel's error (the
     # choice itself: tests/model/test_moe.py, in fp32)
     "qwen3-moe-hd128": dict(model_type="qwen3_moe", num_heads=4, num_kv_heads=2, hidden_size=256, head_dim=128,
@@ -52,8 +52,7 @@ SHAPES = {
                   num_experts=4, num_experts_per_tok=4),
 }
 PARTIAL = {"phi4-partial"}
-MOE = {"qwen3-moe-hd128", "qwen2-moe", "olmoe"}  # the fused step does not run routed experts
-NOT_FUSED = PARTIAL | MOE  # the fused step needs full rotary and runs no routed experts
+NOT_FUSED = PARTIAL  # the fused step needs full rotary
 WINDOWED = {"mistral-window", "gemma3-hd256"}  # their decode steps all see past the window (the fused step's ranged reads)
 PROMPT = "What is the capital of France? The capital"
 STEPS = 4

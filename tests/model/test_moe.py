@@ -65,7 +65,7 @@ def test_logits_follow_transformers_in_fp32(model_dirs, ggufs, references, varia
         assert bool(arch.shared_expert_intermediate_size) == (variant == "qwen2-moe")
         sparse = [isinstance(layer.mlp, SparseMoE) for layer in engine.model.layers]
         assert sparse == [i not in arch.dense_layers for i in range(arch.num_layers)]
-        assert engine.model.fused_decode_rows() == 0  # routed experts run layer by layer (KernelSupport says so)
+        assert engine.model.fused_decode_rows() == 0  # fp32: the fused step is bf16's (KernelSupport says so)
         prompt = engine.tokenizer.encode(PROMPT)
         assert_follows_reference(engine, references[variant], prompt, steps=6, atol=ATOL, rtol=RTOL)
 
@@ -293,3 +293,57 @@ def test_mixtral_experts_quantize_at_load_and_hold_deterministic(tmp_path):
     prompts = [list(range(10, 30)), list(range(40, 47)), list(range(60, 73))]
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert together == [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_batch_1_step_of_quantized_experts_is_one_call_with_the_layer_by_layer_bits(tmp_path, variant, monkeypatch):
+    """bf16 with Q4_0 experts at head_dim 32: a batch-1 decode step runs every layer in one C++
+    call (kernels/fused_decode.cpp: the sparse layers' experts by moe_token, Qwen2-MoE's shared
+    expert, OLMoE's whole-projection q/k norms, Qwen3-MoE's dense first layer), its logits and
+    expert counts the layer-by-layer path's, bit for bit; a batch of several rows decodes layer
+    by layer (tokens grouped by expert) and its requests' tokens do not change with the fused step."""
+    from kvserve.kernels import cpu_ops, unavailable_reason
+
+    if cpu_ops() is None:
+        pytest.skip(f"the CPU kernels are unavailable: {unavailable_reason()}")
+    src = make_tiny_model(tmp_path / variant, **{**MOE_VARIANTS[variant], "hidden_size": 128})
+    path = str(write_gguf(src, tmp_path / f"{variant}.gguf", GGUF_ARCH[variant], "Q4_0"))
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB")
+    engine = llm.engine
+    model = engine.model
+    if not model.kernels.quant_linear.enabled:
+        pytest.skip(f"quant_linear is off here: {model.kernels.quant_linear.reason}")
+    assert model.fused_decode_rows() == 1, model.kernels.describe()
+    assert all(moe._token_kernel() is not None for moe in model.sparse_layers())  # moe_token's experts
+    module, batches = model.kernels.ops, []
+    step = module.decode_layers
+
+    def counted(*a):
+        batches.append(a[1].shape[0])
+        return step(*a)
+
+    monkeypatch.setattr(module, "decode_layers", counted)
+    prompt = engine.tokenizer.encode(PROMPT)
+    runs = []
+    for fused in (True, False):
+        model.fused_decode = fused
+        before = model.expert_counts.snapshot()
+        driver = PagedDriver(engine)
+        req = driver.new_request(prompt)
+        logits = [driver.prefill(req)]
+        for _ in range(4):
+            logits.append(driver.decode(req, int(logits[-1].argmax())))
+        driver.free(req)
+        runs.append((torch.stack(logits), tuple(a - b for a, b in zip(model.expert_counts.snapshot(), before))))
+    assert batches == [1] * 4
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    # three requests of different lengths: steps of 3, 2 and then 1 row (the last fused)
+    prompts = [prompt, prompt[:5], prompt[:9]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
+    tokens = []
+    for fused in (True, False):
+        model.fused_decode = fused
+        batches.clear()
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert (bool(batches) and set(batches) == {1}) == fused
+    assert tokens[0] == tokens[1]
