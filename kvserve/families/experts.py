@@ -5,14 +5,41 @@ The decoder (model/moe.py) reads one naming whatever the checkpoint's: a sparse 
 `mlp.gate.weight` [E, d], its experts `mlp.experts.{e}.{gate,up,down}_proj.weight`, and where
 there is one the shared expert `mlp.shared_expert.{gate,up,down}_proj.weight` with its gate
 `mlp.shared_expert_gate.weight` [1, d]. A GGUF stacks each layer's experts in one tensor
-(`ffn_gate_exps` [E, F, d], ...); the loader cuts it into those names (gguf_loader.py)."""
+(`ffn_gate_exps` [E, F, d], ...); the loader cuts it into those names (gguf_loader.py). So does
+an HF checkpoint saved with transformers 5's own stacked layout (`mlp.experts.gate_up_proj`
+[E, 2F, d], `mlp.experts.down_proj` [E, d, F]): `unstack_experts`, as each tensor is read."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from kvserve.errors import UnsupportedModelError
+import torch
+
+from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.families.base import GGUFMeta
+
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def unstack_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """transformers 5's stacked experts (its modules' own parameters, in a checkpoint saved from
+    its state dict): `…mlp.experts.gate_up_proj` [E, 2F, d], each expert's gate rows then its up
+    rows, and `…mlp.experts.down_proj` [E, d, F], cut into each expert's weights in the
+    decoder's names (views, no copy); None for any other tensor. Cut before quantization at
+    load, which goes by the name and quantizes 2-D weights only."""
+    match = _STACKED.match(name)
+    if match is None:
+        return None
+    base, kind = match.groups()
+    if tensor.dim() != 3 or (kind == "gate_up_proj" and tensor.shape[1] % 2):
+        want = "[experts, 2 × width, hidden]" if kind == "gate_up_proj" else "[experts, hidden, width]"
+        raise ModelLoadError(f"{name}: stacked experts must be {want}, got shape {list(tensor.shape)}")
+    if kind == "down_proj":
+        return [(f"{base}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    width = tensor.shape[1] // 2
+    return [(f"{base}.{e}.{part}_proj.weight", tensor[e, lo : lo + width])
+            for e in range(tensor.shape[0]) for part, lo in (("gate", 0), ("up", width))]  # fmt: skip
 
 # llama.cpp's per-layer expert tensors -> the decoder's names; `{e}` marks a stack of experts
 GGUF_EXPERT_TENSORS = {

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.families.experts import unstack_experts
 from kvserve.memory import release_free_memory
 from kvserve.arch import ModelArchitecture, read_hf_config
 
@@ -77,8 +78,10 @@ def read_weights(model_dir: Path, dtype: torch.dtype, transform=None, rename=Non
                 name = rename(name)
             tensor = raw.to(dtype)
             del raw
-            weights[name] = transform(name, tensor) if transform else tensor
-            del tensor
+            # transformers 5's stacked experts, one weight per expert (families/experts.py)
+            for part, t in unstack_experts(name, tensor) or [(name, tensor)]:
+                weights[part] = transform(part, t) if transform else t
+            del tensor, t
             release_free_memory()  # the file's bytes (and a quantizer's transients) before the next tensor
     return weights
 

@@ -347,3 +347,48 @@ def test_a_batch_1_step_of_quantized_experts_is_one_call_with_the_layer_by_layer
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert (bool(batches) and set(batches) == {1}) == fused
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_checkpoint_in_transformers_stacked_expert_layout_loads(model_dirs, references, tmp_path, variant):
+    """transformers 5 holds a layer's experts stacked (`mlp.experts.gate_up_proj` [E, 2F, d],
+    `down_proj` [E, d, F]) and its save_pretrained writes them back per expert; a checkpoint
+    saved from the model's own state dict keeps them stacked. kvserve reads it as the
+    per-expert one (families/experts.py unstack_experts): logits to transformers' in fp32, and
+    `--quantization int8` quantizes every expert (the cut comes before quantization)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from kvserve.kernels import cpu_ops
+
+    ref = references[variant]
+    state = {k: v.detach().clone().contiguous() for k, v in ref.state_dict().items()}
+    if ref.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state) and not any(".experts.0." in k for k in state)
+    stacked = tmp_path / variant
+    shutil.copytree(model_dirs[variant], stacked, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    save_file(state, str(stacked / "model.safetensors"))
+    engine = LLMEngine(EngineConfig(model=str(stacked), dtype="float32", kv_cache_memory="8MiB"))
+    prompt = engine.tokenizer.encode(PROMPT)
+    assert_follows_reference(engine, ref, prompt, steps=4, atol=ATOL, rtol=RTOL)
+    if cpu_ops() is not None:
+        llm = LLM(str(stacked), dtype="bfloat16", quantization="int8", kv_cache_memory="8MiB")
+        moe = _moe_layer(llm.engine)
+        assert all(m.gate_up.qweight is not None and m.down.qweight is not None for m in moe.experts)
+
+
+def test_stacked_experts_are_cut_per_expert_and_a_wrong_shape_is_named():
+    from kvserve.errors import ModelLoadError
+    from kvserve.families.experts import unstack_experts
+
+    gate_up = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # 2 experts, width 3, hidden 3
+    parts = dict(unstack_experts("model.layers.4.mlp.experts.gate_up_proj", gate_up))
+    assert sorted(parts) == [f"model.layers.4.mlp.experts.{e}.{p}_proj.weight" for e in (0, 1) for p in ("gate", "up")]
+    assert torch.equal(parts["model.layers.4.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
+    down = dict(unstack_experts("model.layers.4.mlp.experts.down_proj", gate_up.transpose(1, 2)))
+    assert torch.equal(down["model.layers.4.mlp.experts.0.down_proj.weight"], gate_up[0].T)
+    assert unstack_experts("model.layers.4.mlp.experts.0.down_proj.weight", gate_up[0]) is None
+    with pytest.raises(ModelLoadError, match=r"gate_up_proj: stacked experts must be .*got shape \[5, 3\]"):
+        unstack_experts("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(5, 3))
