@@ -47,6 +47,8 @@ GGUF_EXPERT_TENSORS = {
     "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    # llama.cpp's fused form of the two above (gate rows, then up rows, per expert): cut in two at load
+    "ffn_gate_up_exps.weight": "mlp.experts.{e}.gate_up_proj.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",

@@ -143,8 +143,16 @@ def read_weights(
             shape = [1, shape[-1]]  # llama.cpp stores the shared expert's gate as a vector
         if "{e}" in name:  # a stack of experts [E, rows, cols]: each expert its own weight
             raw = _tensor_bytes(path, tensor, rows=shape[0] * shape[1])
+            fused = name.endswith(".gate_up_proj.weight")  # ffn_gate_up_exps: gate rows, then up rows
+            if fused and shape[1] % 2:
+                raise UnsupportedModelError(f"GGUF tensor {tensor.name!r}: {shape[1]} rows per expert, not gate and up halves")
             for e, part in enumerate(np.split(raw, shape[0])):
-                read_one(name.format(e=e), type_name, shape[1:], part, tensor)
+                if fused:  # whole rows (each row's blocks intact), so a quantized stack cuts exactly
+                    half = shape[1] // 2
+                    for proj, rows in (("gate_proj", part[:half]), ("up_proj", part[half:])):
+                        read_one(name.replace("gate_up_proj", proj).format(e=e), type_name, [half, shape[2]], rows, tensor)
+                else:
+                    read_one(name.format(e=e), type_name, shape[1:], part, tensor)
             del raw
             continue
         heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads if ".k_proj." in name else 0

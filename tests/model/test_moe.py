@@ -392,3 +392,28 @@ def test_stacked_experts_are_cut_per_expert_and_a_wrong_shape_is_named():
     assert unstack_experts("model.layers.4.mlp.experts.0.down_proj.weight", gate_up[0]) is None
     with pytest.raises(ModelLoadError, match=r"gate_up_proj: stacked experts must be .*got shape \[5, 3\]"):
         unstack_experts("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(5, 3))
+
+
+@pytest.mark.parametrize("variant, quant_type", [("qwen2-moe", None), ("olmoe", "Q8_0"), ("qwen3-moe", "Q4_0")])
+def test_a_gguf_with_fused_gate_up_experts_reads_as_the_split_one(model_dirs, tmp_path, variant, quant_type):
+    """llama.cpp may write a layer's experts' gate and up as one `ffn_gate_up_exps` stack
+    [E, 2F, d] (gate rows, then up rows): kvserve cuts each expert's rows in two, quantized
+    blocks intact, and the model's weights and logits equal those of the same file written with
+    `ffn_gate_exps` and `ffn_up_exps`, bit for bit."""
+    src = Path(model_dirs[variant])
+    split = write_gguf(src, tmp_path / "split.gguf", GGUF_ARCH[variant], quant_type)
+    fused = write_gguf(src, tmp_path / "fused.gguf", GGUF_ARCH[variant], quant_type, fused_gate_up=True)
+    import gguf
+
+    assert any(t.name.endswith("ffn_gate_up_exps.weight") for t in gguf.GGUFReader(str(fused)).tensors)
+    dtype = "float32" if quant_type is None else "bfloat16"
+    runs = []
+    for path in (split, fused):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, kv_cache_memory="8MiB"))
+        driver = PagedDriver(engine)
+        req = driver.new_request(engine.tokenizer.encode(PROMPT))
+        logits = [driver.prefill(req)]
+        for _ in range(3):
+            logits.append(driver.decode(req, int(logits[-1].argmax())))
+        runs.append(torch.stack(logits))
+    assert torch.equal(runs[0], runs[1])

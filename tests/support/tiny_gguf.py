@@ -47,17 +47,26 @@ _SHARED_NAMES = {"shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_
                  "shared_expert.down_proj": "ffn_down_shexp"}  # fmt: skip
 
 
-def _add_experts(add, weights: dict, i: int, experts: int) -> None:
-    """Layer i's router, its experts stacked [E, rows, cols] per projection, and a shared
-    expert with its gate (a vector in llama.cpp), where the layer is sparse."""
+def _add_experts(add, weights: dict, i: int, experts: int, fused_gate_up: bool = False) -> None:
+    """Layer i's router, its experts stacked [E, rows, cols] per projection (`fused_gate_up`:
+    gate and up as llama.cpp's one `ffn_gate_up_exps` [E, 2F, d]), and a shared expert with its
+    gate (a vector in llama.cpp), where the layer is sparse."""
     mixtral = f"model.layers.{i}.block_sparse_moe.gate.weight" in weights
     mlp = f"model.layers.{i}." + ("block_sparse_moe" if mixtral else "mlp")
     if f"{mlp}.gate.weight" not in weights:
         return  # a dense layer (Qwen's mlp_only_layers)
     add(f"blk.{i}.ffn_gate_inp.weight", weights[f"{mlp}.gate.weight"])
-    for proj, gguf_name in _EXPERT_NAMES.items():
+
+    def stack(proj: str) -> np.ndarray:
         own = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj] if mixtral else proj
-        add(f"blk.{i}.{gguf_name}.weight", np.stack([weights[f"{mlp}.experts.{e}.{own}.weight"] for e in range(experts)]))
+        return np.stack([weights[f"{mlp}.experts.{e}.{own}.weight"] for e in range(experts)])
+
+    for proj, gguf_name in _EXPERT_NAMES.items():
+        if fused_gate_up and proj != "down_proj":
+            continue
+        add(f"blk.{i}.{gguf_name}.weight", stack(proj))
+    if fused_gate_up:
+        add(f"blk.{i}.ffn_gate_up_exps.weight", np.concatenate([stack("gate_proj"), stack("up_proj")], axis=1))
     for hf_name, gguf_name in _SHARED_NAMES.items():
         if f"{mlp}.{hf_name}.weight" in weights:
             add(f"blk.{i}.{gguf_name}.weight", weights[f"{mlp}.{hf_name}.weight"])
@@ -66,9 +75,11 @@ def _add_experts(add, weights: dict, i: int, experts: int) -> None:
 
 
 def write_gguf(
-    hf_dir: Path, out: Path, architecture: str = "llama", quant_type: str | None = None, metadata: dict | None = None
+    hf_dir: Path, out: Path, architecture: str = "llama", quant_type: str | None = None, metadata: dict | None = None,
+    fused_gate_up: bool = False,
 ) -> Path:
-    """`metadata`: extra keys, int -> int32, float -> float32 (e.g. general.sampling.*)."""
+    """`metadata`: extra keys, int -> int32, float -> float32 (e.g. general.sampling.*).
+    `fused_gate_up`: experts' gate and up as one `ffn_gate_up_exps` stack."""
     import gguf
 
     def add(name: str, t: np.ndarray) -> None:
@@ -156,7 +167,7 @@ def write_gguf(
             elif hf_name.startswith("self_attn.k_proj") and architecture == "llama":
                 t = _llama_cpp_permute(t, n_kv)
             add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(t))
-        _add_experts(add, weights, i, experts or 0)
+        _add_experts(add, weights, i, experts or 0, fused_gate_up)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
