@@ -9,9 +9,9 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "kernels.h"
@@ -46,8 +46,35 @@ std::tuple<at::Tensor, at::Tensor> moe_token(const at::Tensor& x, const at::Tens
   }
   const at::Tensor hidden = silu_and_mul(quant_linear(x, gate_up, c10::nullopt, false).view({top_k, -1}));
   const at::Tensor y = quant_linear_rows(hidden, down, experts.float_out);
-  at::Tensor out = at::zeros({1, x.size(1)}, x.options().dtype(at::kFloat));
-  for (int64_t j = 0; j < top_k; ++j)  // out += y_j · w_j, a double scalar as Python passes its float
-    out.add_(y.narrow(0, j, 1).to(at::kFloat).mul(static_cast<double>(w[order[j]])));
+  // out += y_j · w_j in expert order: what moe.py's `out += y.float() * w` computes (ATen's mul by
+  // a float scalar, then the add, each rounded in fp32), without 4·k small ATen ops on the
+  // step's serial path. `volatile` keeps the product a rounded float: the compiler may not
+  // contract the two into an FMA, whose single rounding would change the bits.
+  const int64_t d = x.size(1);
+  at::Tensor out = at::empty({1, d}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  std::fill(o, o + d, 0.f);
+  const at::Tensor yc = y.contiguous();
+  const bool bf16 = yc.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || yc.scalar_type() == at::kFloat, "moe_token: the downs' output must be bf16 or fp32");
+  for (int64_t j = 0; j < top_k; ++j) {
+    const float wj = w[order[j]];
+    if (bf16) {
+      const uint16_t* yj = reinterpret_cast<const uint16_t*>(yc.data_ptr<at::BFloat16>()) + j * d;
+      for (int64_t i = 0; i < d; ++i) {
+        uint32_t bits = static_cast<uint32_t>(yj[i]) << 16;  // bf16 -> fp32: exact
+        float v;
+        std::memcpy(&v, &bits, sizeof(v));
+        volatile float p = v * wj;
+        o[i] = o[i] + p;
+      }
+    } else {
+      const float* yj = yc.data_ptr<float>() + j * d;
+      for (int64_t i = 0; i < d; ++i) {
+        volatile float p = yj[i] * wj;
+        o[i] = o[i] + p;
+      }
+    }
+  }
   return {out, sorted};
 }
