@@ -12,12 +12,13 @@ an HF checkpoint saved with transformers 5's own stacked layout (`mlp.experts.ga
 from __future__ import annotations
 
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.families.base import GGUFMeta
+
+if TYPE_CHECKING:  # the planner reads families without torch (tests/planner: no torch import)
+    import torch
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
