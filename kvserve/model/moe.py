@@ -77,7 +77,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Parameter(gate, requires_grad=False)
         self._expert_bytes: list[int] | None = None  # each expert's, once its weights are processed
         self._token_experts = None  # (ops, ops.MoeExperts) for moe_token, False where it cannot run, once decided
-        self._decode_moe = None  # the ops.DecodeMoe of the last decode_moe(): its `chosen` after each fused step
+        self._decode_moe = None  # the ops.DecodeMoe of decode_moe(), built once: its `chosen` after each fused step
         self._all_bytes = 0
 
     def expert_bytes(self, e: int) -> int:
@@ -166,7 +166,11 @@ class SparseMoE(nn.Module):
         (kernels/fused_decode.cpp: moe_token for quantized experts, else each expert's
         projections; the shared expert after), the same calls as forward() at one token; None
         where forward() would take a path it does not (an activation off the silu kernel, a
-        projection with no fused form). Its `chosen` then says what each step ran (count_fused_step)."""
+        projection with no fused form). Its `chosen` then says what each step ran (count_fused_step).
+        Built once: the projections are packed once (Linear.process_weights_after_loading), and
+        the load's fused-step check and every DecodeModel build share it."""
+        if self._decode_moe is not None:
+            return self._decode_moe
         shared = {}
         if self.shared_expert is not None:
             mlp = self.shared_expert
