@@ -30,7 +30,7 @@ from kvserve.attention.kv_pool import dequantize_kv, quantize_kv
 from kvserve.attention.metadata import AttentionMetadata, PrefillSegment, rectangular_causal_bias
 from kvserve.attention.reference import decode_attention, prefill_attention
 from kvserve.model import quant_formats as qf
-from tests.support.kernel_cases import prefill_case, quantized_weight
+from tests.support.kernel_cases import int8_reference, prefill_case, quantized_weight
 from kvserve.model.layers import RMSNorm
 from tests.support.kquants import random_k_blocks
 
@@ -268,18 +268,6 @@ def _segment_arrays(w: qf.QuantizedWeight) -> tuple[dict, dict]:
     return params, arrays
 
 
-def _int8_reference(x: torch.Tensor, w: qf.QuantizedWeight) -> torch.Tensor:
-    """test_quant_linear.py's exact reference: the kernel's compute format in float64, x
-    quantized per block of 32 as quant_linear does."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // 32, 32)
-    amax = blocks.abs().amax(dim=2, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv)
-    xq = (q * (amax / 127)).view(m, k).double()
-    return xq @ w.dequantize(torch.float64).T
-
-
 def _ql(s: Suite, desc: str, w, x, y_dtype, bias=None) -> str:
     params, arrays = _segment_arrays(w)
     m, k = x.shape
@@ -303,7 +291,7 @@ def quant_cases(s: Suite) -> None:
         alone_ids = {r: _ql(s, f"{kind} row {r} alone", w, x[r : r + 1], y_dtype) for r in alone}
         x32 = torch.randn(70, k, generator=_gen(3))
         f32_ids = {m: _ql(s, f"{kind} M={m} x fp32 y fp32", w, x32[:m], torch.float32) for m in (9, 70)}
-        exact, exact32 = _int8_reference(x, w), _int8_reference(x32, w)
+        exact, exact32 = int8_reference(x, w), int8_reference(x32, w)
         float_ref = x.double() @ w.dequantize(torch.float64).T
 
         @s.check("quant_linear")
@@ -361,7 +349,7 @@ def quant_cases(s: Suite) -> None:
     mixed_alone = {r: _ql(s, f"{len(kinds)} segments + bias row {r} alone", both, xs[torch.bfloat16][r : r + 1],
                           torch.float32, bias) for r in (8, 48, 69)}  # fmt: skip
     nobias = _ql(s, f"{len(kinds)} segments M=9 fp32 no bias", both, xs[torch.bfloat16][:9], torch.float32)
-    mixed_ref = {xd: _int8_reference(x, both) + bias.double() for xd, x in xs.items()}
+    mixed_ref = {xd: int8_reference(x, both) + bias.double() for xd, x in xs.items()}
 
     @s.check("quant_linear")
     def _(res, ck):
@@ -385,7 +373,7 @@ def quant_cases(s: Suite) -> None:
     x6 = torch.full((2, 256), 3.0)
     x6[1, 1::2] = -3.0
     ext = _ql(s, "Q6_K codes 0 under scales -128, x ±3", w6, x6, torch.float32)
-    ext_ref = _int8_reference(x6, w6)
+    ext_ref = int8_reference(x6, w6)
 
     @s.check("quant_linear")
     def _(res, ck):
@@ -985,7 +973,7 @@ def quant_rows_cases(s: Suite) -> None:
         rows = s.add("quant_linear_rows", name, params, dict(x=x, first=first, **arrays),
                      dict(y=torch.zeros(len(kinds), n, dtype=y_dtype)))  # fmt: skip
         alone = [_ql(s, f"{kind} row {r} alone ({name})", w, x[r : r + 1], y_dtype) for r, (kind, w) in enumerate(zip(kinds, weights))]
-        exact = torch.cat([_int8_reference(x[r : r + 1], w) for r, w in enumerate(weights)])
+        exact = torch.cat([int8_reference(x[r : r + 1], w) for r, w in enumerate(weights)])
 
         @s.check("quant_linear_rows")
         def _(res, ck, rows=rows, alone=alone, exact=exact, name=name):

@@ -1,7 +1,7 @@
 """quant_linear (kernels/quant_linear.cpp) against the plain-torch reference: dequantize, then matmul.
 
 Two references: the exact one emulates the kernel's int8 compute format (x quantized per
-row and block of 32, the same rule) in float64, so only rounding order separates the two;
+row and block of 32, per super-block of 256 against the K-quants, the same rule) in float64, so only rounding order separates the two;
 the float one is x·Wᵀ with W dequantized, which the int8 activations approximate. And the
 batch-invariance rule: a row's bits never depend on the rows beside it.
 """
@@ -16,7 +16,7 @@ import torch
 from kvserve.kernels import cpu_ops, unavailable_reason
 from kvserve.model import quant_formats as qf
 from kvserve.model.linear_methods.cpu_quant import kernel_segments
-from tests.support.kernel_cases import quantized_weight
+from tests.support.kernel_cases import int8_reference, quantized_weight
 from tests.support.kquants import random_k_blocks
 
 ops = cpu_ops()
@@ -26,26 +26,13 @@ pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {
 KINDS = ["q8", "int8-channel", "q4", "q4_min", "q8_min"]
 
 
-def _int8_reference(x: torch.Tensor, w: qf.QuantizedWeight) -> torch.Tensor:
-    """The kernel's compute format in float64: x quantized per block of 32 as quant_linear does."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // 32, 32)
-    amax = blocks.abs().amax(dim=2, keepdim=True)
-    # 127 / amax as one IEEE division, as the kernel computes it (torch's scalar / tensor is
-    # reciprocal(tensor) · scalar, which can round differently)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv)  # round half to even, as the kernel's conversion
-    xq = (q * (amax / 127)).view(m, k).double()
-    return xq @ w.dequantize(torch.float64).T
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
 def test_matches_reference(kind, rows):
     w = quantized_weight(kind, 96, 576)
     x = (torch.randn(rows, 576, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     y = ops.quant_linear(x, kernel_segments(ops, w)).double()
-    exact = _int8_reference(x, w)
+    exact = int8_reference(x, w)
     # the kernel's only differences from `exact`: fp32 sums and the bf16 result's rounding
     torch.testing.assert_close(y, exact, rtol=2 ** -7, atol=1e-3 * exact.abs().max().item())
     float_ref = x.double() @ w.dequantize(torch.float64).T
@@ -76,7 +63,7 @@ def test_mixed_segments_bias_and_fp32_input():
     torch.testing.assert_close(y.float(), parts.float() + bias.float(), rtol=2 ** -7, atol=2e-2)
     y32 = ops.quant_linear(x.float(), kernel_segments(ops, both))
     assert y32.dtype == torch.float32
-    torch.testing.assert_close(y32, _int8_reference(x, both).float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y32, int8_reference(x, both).float(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 50])  # 50: past avx2's 8-bit panel, which a row alone never takes
@@ -134,15 +121,15 @@ def test_k_quants_match_reference(name, rows):
     w = quantized_weight(name, 48, 768)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = ops.quant_linear(x, kernel_segments(ops, w), None, True).double()
-    exact = _int8_reference(x, w)
+    exact = int8_reference(x, w)
     # the integer sums are exact; fp32 scaling and accumulation only
     torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
 def test_q6_k_extremes_stay_exact_in_the_integer_sums():
     """The largest integer sum the Q6_K path forms: codes 0 (q = -32) under scales of -128, every
-    activation at ±127: per half 16·32·127 = 65,024, scaled by -128, two halves: 16,646,144,
-    just under 2^24 (exact in fp32)."""
+    activation at ±127: per half 16·32·127 = 65,024, scaled by -128, two halves: 16,646,144 a
+    block, and the super-block's 8 blocks add up in int32 to 133,169,152 (< 2^31)."""
     raw = random_k_blocks("Q6_K", 16, 256, full_range=True)
     raw[:, :192] = 0  # every code 0: q = -32
     raw[:, 192:208] = 0x80  # every scale -128
@@ -150,7 +137,7 @@ def test_q6_k_extremes_stay_exact_in_the_integer_sums():
     x = torch.full((2, 256), 3.0)
     x[1, 1::2] = -3.0
     y = ops.quant_linear(x, kernel_segments(ops, w), None, True).double()
-    torch.testing.assert_close(y, _int8_reference(x, w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y, int8_reference(x, w), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", K_QUANTS)
@@ -171,6 +158,19 @@ def test_k_quant_embedding_rows_are_gguf_s_own(name):
     expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])).float()
     ids = torch.tensor([0, 31, 7, 7])
     assert torch.equal(ops.quant_embedding(ids, kernel_segments(ops, w), 512, torch.float32), expected[ids])
+
+
+def test_a_k_quant_segment_fused_with_a_plain_one_keeps_its_own_bits():
+    """The K-quants read x quantized per super-block, the plain formats per block: a call that
+    holds both quantizes it both ways, so fusing (a Q4_K_M file's Q4_K q/k beside a Q8_0 v)
+    changes no segment's bits."""
+    parts = [quantized_weight("Q4_K", 32, 512, seed=5), quantized_weight("q8", 16, 512, seed=6),
+             quantized_weight("Q6_K", 16, 512, seed=7), quantized_weight("q4", 48, 512, seed=8)]  # fmt: skip
+    fused = kernel_segments(ops, qf.QuantizedWeight.cat(parts))
+    for rows in (1, 9, 70):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        alone = torch.cat([ops.quant_linear(x, kernel_segments(ops, p), None, True) for p in parts], dim=1)
+        assert torch.equal(ops.quant_linear(x, fused, None, True), alone), f"{rows} rows"
 
 
 def test_k_quants_refuse_depths_off_their_super_blocks():

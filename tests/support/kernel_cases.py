@@ -7,6 +7,7 @@ import gguf
 import torch
 
 from kvserve.attention.metadata import PrefillSegment, rectangular_causal_bias
+from kvserve.kernels import layouts
 from kvserve.model import quant_formats as qf
 from tests.support.kquants import random_k_blocks
 
@@ -27,6 +28,29 @@ def quantized_weight(kind: str, n: int, k: int, seed: int = 0) -> qf.QuantizedWe
     qtype = {"q4": "Q4_0", "q8_min": "Q5_1"}[kind]
     raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
     return qf.from_gguf(qtype, raw, n, k)
+
+
+def _quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x as the kernel's int8 codes times their scale, one scale per row and `block` inputs."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // block, block)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    # 127 / amax as one IEEE division, as the kernel computes it (torch's scalar / tensor is
+    # reciprocal(tensor) · scalar, which can round differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # round half to even, as the kernel's conversion
+    return (q * (amax / 127)).view(m, k).double()
+
+
+def int8_reference(x: torch.Tensor, w: qf.QuantizedWeight) -> torch.Tensor:
+    """quant_linear's compute format in float64, segment by segment: x quantized per row and
+    block of 32 against the plain formats (llama.cpp's Q8_0 activations), per super-block of
+    256 against the K-quants (its Q8_K), so only rounding order separates it from the kernel."""
+    outs = []
+    for seg in w.segments:
+        xq = _quantized_activations(x, layouts.SUPER if seg.k_quant else layouts.BLOCK)
+        outs.append(xq @ qf.dequantize_segment(seg).double().T)
+    return torch.cat(outs, dim=1)
 
 
 def prefill_case(segments, num_heads, num_kv_heads, head_dim, block_size, seed=0):

@@ -1,7 +1,7 @@
 // quant_linear, torch-free: y = x·Wᵀ (+ bias) on block-quantized weights
 // in the packed layout of kvserve/model/quant_formats.py (QuantSegment in kernels.h, described
-// in quant_linear.cpp), with int8 activations per row and block of 32; and the embedding
-// lookup of a quantized table.
+// in quant_linear.cpp), with int8 activations per row and block of 32 (per super-block of 256
+// against the K-quants, as llama.cpp's Q8_K); and the embedding lookup of a quantized table.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -46,7 +46,7 @@ inline bool format_has_min(int format) { return format == kFormatQ4Min || format
 inline bool format_is_k_quant(int format) { return format == kFormatQ4K || format == kFormatQ6K; }
 
 // Scratch bytes quant_linear needs for M rows of K inputs (the int8 activations, their
-// scales, their sums and the sums of each block's first 16).
+// scales, their sums and the sums of each block's first 16, per block and per super-block).
 size_t quant_linear_scratch_bytes(int64_t M, int64_t K);
 
 // y [M, N] = x [M, K] · Wᵀ (+ bias), W the segments stacked by rows (N = Σ 16·groups), K a

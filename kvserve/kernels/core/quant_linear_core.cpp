@@ -30,18 +30,22 @@
 //                multiplied by the activations as int16 with VPMADDWD (build_panel): the
 //                same exact Σ q·x by fewer uops of the multiply pipes. neon takes this path
 //                (x86_vocabulary.h's VPMADDUBSW saturates as x86's does).
-// Both levels reach the same exact integer, then the same fp32 operations: the builds agree
+// Every level reaches the same exact integers, then the same fp32 operations: the builds agree
 // bitwise.
 //
-// The K-quant formats keep GGUF's own scales, so a Q4_K_M file runs in its own bytes:
-//   Q4_K (kFormatQ4K): the 4-bit codes as Q4_1's, and per block the super-block's fp16 d and
-//     dmin (one per 256 inputs) times the block's 6-bit sc and mn, widened in fp32 (exact:
-//     11 × 6 significant bits), then as Q4_1: d_b·S + m_b·Σq with m_b = −dmin·mn.
+// The K-quant formats keep GGUF's own scales, so a Q4_K_M file runs in its own bytes, against
+// activations quantized as llama.cpp's Q8_K: one d_x per row and super-block of 256 inputs
+// (codes, Σq and Σ of the first 16 still per block of 32), so a super-block's 8 blocks add up
+// in int32 and take one fp32 step (column_group_k):
+//   Q4_K (kFormatQ4K): the 4-bit codes as Q4_1's, the super-block's fp16 d and dmin, each
+//     block's 6-bit sc and mn: d_x·(d·Σ_b sc_b·S_b − dmin·Σ_b mn_b·Σq_b).
 //   Q6_K (kFormatQ6K): 6-bit codes c = q + 32 as a 4-bit plane (Q4_0's layout) and a 2-bit
 //     plane, and an int8 scale per 16 inputs: per block the two halves' integer sums
-//     S_h = Σ (c − 32)·q (Σq of each half from the activations), T = sc_0·S_0 + sc_1·S_1 (exact
-//     in int32, and in fp32: |T| < 2^24), t = d·T. The 6-bit codes are at most 63, so at avx2
-//     VPMADDUBSW's pair sums (<= 2·63·127) add two at a time in int16 before widening.
+//     S_h = Σ (c − 32)·q (Σq of each half from the activations), T_b = sc_0·S_0 + sc_1·S_1,
+//     d_x·d·Σ_b T_b. The 6-bit codes are at most 63, so at avx2 VPMADDUBSW's pair sums
+//     (<= 2·63·127) add two at a time in int16 before widening.
+// A call whose segments mix K-quants and plain formats quantizes x both ways, so a segment's
+// bits never depend on the segments it is fused with.
 //
 // Row invariance: each row's blocks are summed in one order with the same operations
 // whatever the tile of rows it lands in (integer sums exact; per row, per block: one
@@ -106,22 +110,27 @@ inline int32_t hsum8_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// 32 values → int8 codes q (round(x·127/amax), nearest even), d = amax/127, s = Σq, s_lo = Σ of
-// the first 16 (Q6_K's halves): the rule of the tests' reference, value for value.
+// the largest |x| of 32 values
 template <typename T>
-inline void quantize_block(const T* x, int8_t* q, float* d, int32_t* s, int32_t* s_lo) {
-  const __m256 v0 = simd::load8(x), v1 = simd::load8(x + 8), v2 = simd::load8(x + 16), v3 = simd::load8(x + 24);
+inline float block_amax(const T* x) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)),
-                                 _mm256_max_ps(_mm256_and_ps(v2, abs_mask), _mm256_and_ps(v3, abs_mask)));
-  const float amax = simd::hmax8(a);
+  const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(simd::load8(x), abs_mask), _mm256_and_ps(simd::load8(x + 8), abs_mask)),
+                                 _mm256_max_ps(_mm256_and_ps(simd::load8(x + 16), abs_mask), _mm256_and_ps(simd::load8(x + 24), abs_mask)));
+  return simd::hmax8(a);
+}
+
+// 32 values → int8 codes q (round(x·127/amax), nearest even), d = amax/127, s = Σq, s_lo = Σ of
+// the first 16 (Q6_K's halves): the rule of the tests' reference, value for value. amax is the
+// block's own (block_amax) or, for the K-quants' activations, its super-block's.
+template <typename T>
+inline void quantize_block(const T* x, float amax, int8_t* q, float* d, int32_t* s, int32_t* s_lo) {
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   const __m256 vi = _mm256_set1_ps(inv);
   // _mm256_cvtps_epi32 rounds to nearest even (the default MXCSR); |x·inv| <= 127
-  const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi));
-  const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi));
-  const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi));
-  const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
+  const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(simd::load8(x), vi));
+  const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(simd::load8(x + 8), vi));
+  const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(simd::load8(x + 16), vi));
+  const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(simd::load8(x + 24), vi));
   // packs work within 128-bit lanes: lane 0 holds q0..q3's elements 0-3, lane 1 their 4-7
   const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
   const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -150,14 +159,44 @@ struct Format {
   static constexpr int kNatural = kBits == 8 && !KVSERVE_VNNI_DOT ? 128 : 0;
 };
 
+#if !KVSERVE_VNNI_DOT
+// The 4-bit formats' int16 pair sums of one (group, block) for R rows at the levels without a
+// dot instruction: p[r][h] lanes 2c, 2c+1 hold two halves of Σ_k c_k·q_k of column 8h + c
+// (VPMADDUBSW: codes <= 15 times |q| <= 127; |lane| <= 8 product pairs · 2·15·127 = 30480,
+// exact in any order). VPMADDWD against ones gives the block's sums, against a column's scale
+// the scaled sums (the K-quants).
+template <int R>
+inline void block_pairs16(const uint8_t* codes, const int8_t* x, int64_t K, __m256i (&p)[R][2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  // Not unrolled: with 4 rows the full unroll keeps 4 weight pairs and 8 pair sums live and
+  // GCC spills them to the stack (measured at avx2, 512x2048->8192: Q4_1 150 -> 200 GMAC/s).
+  // Splitting the halves (8 columns at a time, fully unrolled) ran 200 -> 134 GMAC/s on Q4_K.
+#pragma GCC unroll 1
+  for (int j = 0; j < 4; ++j) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+    const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+    const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
+      const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh));
+      const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh));
+      p[r][0] = j ? _mm256_add_epi16(p[r][0], t0) : t0;
+      p[r][1] = j ? _mm256_add_epi16(p[r][1], t1) : t1;
+    }
+  }
+}
+#endif
+
 // The integer sums of one (group, block) for R rows: S[r][h] = Σ_k (c_k − kNatural)·q_k for
 // columns 8h..8h+7 of the group, exact. x: the block's first quantized input of row 0 (rows K apart).
 template <int F, int R>
 inline void block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i (&S)[R][2]) {
-  constexpr int A = R <= 2 ? 2 : 1;  // independent chains per sum where rows are few (VNNI latency)
+  [[maybe_unused]] constexpr int A = R <= 2 ? 2 : 1;  // independent chains per sum where rows are few (VNNI latency)
   if constexpr (Format<F>::kBits == 4) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
 #if KVSERVE_VNNI_DOT
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256i acc[A][R][2];
     for (int a = 0; a < A; ++a)
       for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_si256();
@@ -179,25 +218,8 @@ inline void block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) S[r][h] = A > 1 ? _mm256_add_epi32(acc[0][r][h], acc[A - 1][r][h]) : acc[0][r][h];
 #else
-    // int16 pair sums: |Σ| <= 8 products-pairs · 2·15·127 = 30480 per lane, exact in any order
     __m256i p[R][2];
-    // Not unrolled: with 4 rows the full unroll keeps 4 weight pairs and 8 pair sums live and
-    // GCC spills them to the stack (measured at avx2, 512x2048->8192: Q4_1 150 -> 200 GMAC/s).
-#pragma GCC unroll 1
-    for (int j = 0; j < 4; ++j) {
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
-      const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
-      const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
-        const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh));
-        const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh));
-        p[r][0] = j ? _mm256_add_epi16(p[r][0], t0) : t0;
-        p[r][1] = j ? _mm256_add_epi16(p[r][1], t1) : t1;
-      }
-    }
+    block_pairs16<R>(codes, x, K, p);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) S[r][h] = _mm256_madd_epi16(p[r][h], ones);
@@ -340,78 +362,77 @@ inline void store_row(float* y, __m256 v) { simd::store8(y, v); }
 inline void store_row(uint16_t* y, __m256 v) { simd::store8(y, v); }
 
 // R rows of x (quantized) against group g of segment w: y[r][col .. col + 16)
-// 8 small integer scales (uint8 or int8) widened to fp32
-inline __m256 load8_u8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// 8 small integer scales (uint8 or int8) widened to int32
+inline __m256i load8_u8_epi32(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256i load8_i8_epi32(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// panel (8-bit formats, kWidePanel): the group's codes from build_panel and x16 the tile's
-// activations as int16; the codes otherwise.
+// The rows' fp32 sums of a column group. With 16 registers a tile's block sums (2 per row) and
+// its fp32 sums (2 per row) are all 16 of them, so GCC spilled block sums inside the integer
+// loop, the chain that runs every 4 inputs; the fp32 sums, touched once a block, sit in L1
+// instead (their address escapes at each block's `touch`, so each block loads and stores them).
+// Memory or register, the same operations in the same order: nothing changes a bit.
+template <int R>
+struct RowSums {
+  static constexpr bool kInMemory = simd::kVecRegs == 16 && R >= 3;
+  alignas(32) float mem[R][2][8];
+  __m256 reg[R][2];
+  RowSums() {
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        reg[r][h] = _mm256_setzero_ps();
+        if constexpr (kInMemory) _mm256_store_ps(mem[r][h], reg[r][h]);
+      }
+  }
+  void touch() {
+    if constexpr (kInMemory) asm volatile("" : : "r"(&mem[0][0][0]) : "memory");
+  }
+  // sum[r][h] += t · dx, one fused multiply-add
+  void add(int r, int h, __m256 t, __m256 dx) {
+    if constexpr (kInMemory)
+      _mm256_store_ps(mem[r][h], _mm256_fmadd_ps(t, dx, _mm256_load_ps(mem[r][h])));
+    else
+      reg[r][h] = _mm256_fmadd_ps(t, dx, reg[r][h]);
+  }
+  template <typename Out>
+  void store(const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        __m256 v = kInMemory ? _mm256_load_ps(mem[r][h]) : reg[r][h];
+        if (bias) v = _mm256_add_ps(v, simd::load8(bias + col + 8 * h));
+        store_row(y + r * ldy + col + 8 * h, v);
+      }
+  }
+};
+
+inline void prefetch_block(const uint8_t* codes, int64_t bytes) {
+#pragma GCC unroll 8
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + line, _MM_HINT_T0);
+}
+
+// R rows of x (quantized per block of 32) against group g of segment w, a plain format:
+// y[r][col .. col + 16). panel (8-bit formats, kWidePanel): the group's codes from build_panel
+// and x16 the tile's activations as int16; the codes otherwise.
 template <int F, int R, typename Out>
-void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
-                  const int32_t* xs_lo, int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col,
-                  const int16_t* panel, const int16_t* x16) {
+void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
+                  const uint16_t* bias, Out* y, int64_t ldy, int64_t col, const int16_t* panel, const int16_t* x16) {
   using Fmt = Format<F>;
+  static_assert(!Fmt::kKQuant, "the K-quants run column_group_k");
   const int64_t KB = K / kBlock;
   const uint8_t* codes = w.codes + g * KB * Fmt::kBytes;
-  // per block: the fp16 d (and m) of plain formats; the K-quants' per super-block (kSuper / kBlock blocks)
-  const int64_t param_blocks = Fmt::kKQuant ? KB * kBlock / kSuper : w.per_channel ? 1 : KB;
+  const int64_t param_blocks = w.per_channel ? 1 : KB;
   const uint16_t* scales = w.scales + g * param_blocks * kGroup;
   const uint16_t* mins = Fmt::kHasMin ? w.mins + g * param_blocks * kGroup : nullptr;
-  const uint8_t* sub = Fmt::kKQuant ? w.sub + g * KB * 2 * kGroup : nullptr;
   constexpr int kFold = Fmt::kHasMin ? Fmt::kNatural : Fmt::kNatural - Fmt::kOffset;  // T = S + kFold·Σq
-  // The rows' fp32 sums across blocks. With 16 registers a tile's block sums (2 per row) and
-  // its fp32 sums (2 per row) are all 16 of them, so GCC spilled block sums inside the integer
-  // loop, the chain that runs every 4 inputs; the fp32 sums, touched once a block, sit in L1
-  // instead (the asm below: their address escapes, so each block loads and stores them).
-  // Memory or register, the same operations in the same order: nothing changes a bit.
-  constexpr bool kAccInMemory = simd::kVecRegs == 16 && R >= 3;
-  alignas(32) float acc_mem[R][2][8];
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) {
-      acc[r][h] = _mm256_setzero_ps();
-      if constexpr (kAccInMemory) _mm256_store_ps(acc_mem[r][h], acc[r][h]);
-    }
-  auto add_to = [&](int r, int h, __m256 t, __m256 dx) {
-    if constexpr (kAccInMemory)
-      _mm256_store_ps(acc_mem[r][h], _mm256_fmadd_ps(t, dx, _mm256_load_ps(acc_mem[r][h])));
-    else
-      acc[r][h] = _mm256_fmadd_ps(t, dx, acc[r][h]);
-  };
+  RowSums<R> acc;
   for (int64_t b = 0; b < KB; ++b, codes += Fmt::kBytes) {
-    if constexpr (kAccInMemory) asm volatile("" : : "r"(&acc_mem[0][0][0]) : "memory");
-    if (!panel) {
-#pragma GCC unroll 8
-      for (int64_t line = 0; line < Fmt::kBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes + line, _MM_HINT_T0);
-    }
-    const int64_t pb = Fmt::kKQuant ? b * kBlock / kSuper : w.per_channel ? 0 : b;  // the block's params
-    const uint16_t* bs = scales + pb * kGroup;
-    if constexpr (F == kFormatQ6K) {
-      __m256i L[R][2], H[R][2];
-      block_sums6<R>(codes, xq + b * kBlock, K, L, H);
-      const __m256 d[2] = {simd::load8_f16(bs), simd::load8_f16(bs + 8)};
-      const uint8_t* sb = sub + b * 2 * kGroup;
-      const __m256i sc_lo[2] = {load8_i8_epi32(sb), load8_i8_epi32(sb + 8)};
-      const __m256i sc_hi[2] = {load8_i8_epi32(sb + 16), load8_i8_epi32(sb + 24)};
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int32_t sl = xs_lo[r * KB + b], sh = xs[r * KB + b] - sl;
-        const __m256 dx = _mm256_set1_ps(xd[r * KB + b]);
-        for (int h = 0; h < 2; ++h) {
-          // Σ (c − 32)·q per half, times its scale: exact in int32
-          const __m256i lo = _mm256_sub_epi32(L[r][h], _mm256_set1_epi32(32 * sl));
-          const __m256i hi = _mm256_sub_epi32(H[r][h], _mm256_set1_epi32(32 * sh));
-          const __m256i T = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo[h]), _mm256_mullo_epi32(hi, sc_hi[h]));
-          add_to(r, h, _mm256_mul_ps(_mm256_cvtepi32_ps(T), d[h]), dx);
-        }
-      }
-      continue;
-    }
+    acc.touch();
+    if (!panel) prefetch_block(codes, Fmt::kBytes);
+    const uint16_t* bs = scales + (w.per_channel ? 0 : b) * kGroup;
     __m256i S[R][2];
     if constexpr (kWidePanel && Fmt::kBits == 8) {
       if (panel) block_sums_panel<R>(panel + b * kPanelSteps * 32, x16 + b * kBlock, K, S);
@@ -420,20 +441,11 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
       block_sums<F, R>(codes, xq + b * kBlock, K, S);
     }
     __m256 d[2], m[2];
-    if constexpr (F == kFormatQ4K) {  // d·sc and −dmin·mn in fp32, exactly
-      const uint8_t* sb = sub + b * 2 * kGroup;
-      const uint16_t* ms = mins + pb * kGroup;
-      for (int h = 0; h < 2; ++h) {
-        d[h] = _mm256_mul_ps(simd::load8_f16(bs + 8 * h), load8_u8(sb + 8 * h));
-        m[h] = _mm256_mul_ps(simd::load8_f16(ms + 8 * h), _mm256_sub_ps(_mm256_setzero_ps(), load8_u8(sb + 16 + 8 * h)));
-      }
-    } else {
-      d[0] = simd::load8_f16(bs);
-      d[1] = simd::load8_f16(bs + 8);
-      if constexpr (Fmt::kHasMin) {
-        m[0] = simd::load8_f16(mins + b * kGroup);
-        m[1] = simd::load8_f16(mins + b * kGroup + 8);
-      }
+    d[0] = simd::load8_f16(bs);
+    d[1] = simd::load8_f16(bs + 8);
+    if constexpr (Fmt::kHasMin) {
+      m[0] = simd::load8_f16(mins + b * kGroup);
+      m[1] = simd::load8_f16(mins + b * kGroup + 8);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -447,39 +459,154 @@ void column_group(const SegmentView& w, int64_t g, const int8_t* xq, const float
           t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), d[h], _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(sx)), m[h]));
         else
           t = _mm256_mul_ps(_mm256_cvtepi32_ps(T), d[h]);
-        add_to(r, h, t, dx);
+        acc.add(r, h, t, dx);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) {
-      __m256 v = kAccInMemory ? _mm256_load_ps(acc_mem[r][h]) : acc[r][h];
-      if (bias) v = _mm256_add_ps(v, simd::load8(bias + col + 8 * h));
-      store_row(y + r * ldy + col + 8 * h, v);
-    }
+  acc.store(bias, y, ldy, col);
 }
 
-// n (1..R) rows: column_group<F, n>
+// The K-quants, against activations quantized per super-block (quantize_rows' K-quant view: one
+// d_x per 256 inputs, as llama.cpp's Q8_K): each block's integer sums times its small integer
+// scales add up in int32 across the super-block's 8 blocks, then one fp32 step per super-block
+// instead of one per block:
+//   Q4_K  d_x · (d · Σ_b sc_b·S_b − dmin · Σ_b mn_b·Σq_b),  S_b = Σ_k c_k·q_k
+//   Q6_K  d_x · d · Σ_b (sc_lo,b · (L_b − 32·Σq_lo,b) + sc_hi,b · (H_b − 32·Σq_hi,b))
+// |Σ_b sc_b·S_b| <= 8·63·32·15·127 (30.7M) and Q6_K's <= 8·2·128·16·32·127 (133M) fit int32; the
+// conversion to fp32 rounds once a super-block where they pass 2^24, the same in every build.
+// At the levels without a dot instruction Q4_K's scales ride on the VPMADDWD that widens the
+// pair sums (block_pairs16), so scaling costs nothing; with one, a VPMULLD per block.
+template <int F, int R, typename Out>
+void column_group_k(const SegmentView& w, int64_t g, const int8_t* xq, const float* xd, const int32_t* xs,
+                    const int32_t* xs_lo, int64_t K, const uint16_t* bias, Out* y, int64_t ldy, int64_t col) {
+  using Fmt = Format<F>;
+  static_assert(Fmt::kKQuant, "column_group_k runs the K-quants");
+  constexpr int kPer = kSuper / kBlock;
+  const int64_t KB = K / kBlock, SB = K / kSuper;
+  const uint8_t* codes = w.codes + g * KB * Fmt::kBytes;
+  const uint16_t* scales = w.scales + g * SB * kGroup;
+  const uint16_t* mins = F == kFormatQ4K ? w.mins + g * SB * kGroup : nullptr;
+  const uint8_t* sub = w.sub + g * KB * 2 * kGroup;
+  RowSums<R> acc;
+  for (int64_t sb = 0; sb < SB; ++sb) {
+    acc.touch();
+    __m256i A[R][2];
+    for (int r = 0; r < R; ++r) A[r][0] = A[r][1] = _mm256_setzero_si256();
+    for (int64_t b = sb * kPer; b < (sb + 1) * kPer; ++b, codes += Fmt::kBytes) {
+      prefetch_block(codes, Fmt::kBytes);
+      const uint8_t* sc = sub + b * 2 * kGroup;
+      if constexpr (F == kFormatQ6K) {
+        __m256i L[R][2], H[R][2];
+        block_sums6<R>(codes, xq + b * kBlock, K, L, H);
+        const __m256i sc_lo[2] = {load8_i8_epi32(sc), load8_i8_epi32(sc + 8)};
+        const __m256i sc_hi[2] = {load8_i8_epi32(sc + 16), load8_i8_epi32(sc + 24)};
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int32_t sl = xs_lo[r * KB + b], sh = xs[r * KB + b] - sl;
+          for (int h = 0; h < 2; ++h) {
+            const __m256i lo = _mm256_sub_epi32(L[r][h], _mm256_set1_epi32(32 * sl));
+            const __m256i hi = _mm256_sub_epi32(H[r][h], _mm256_set1_epi32(32 * sh));
+            A[r][h] = _mm256_add_epi32(
+                A[r][h], _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo[h]), _mm256_mullo_epi32(hi, sc_hi[h])));
+          }
+        }
+      } else {
+#if KVSERVE_VNNI_DOT
+        __m256i S[R][2];
+        block_sums<F, R>(codes, xq + b * kBlock, K, S);
+        const __m256i s32[2] = {load8_u8_epi32(sc), load8_u8_epi32(sc + 8)};
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) A[r][h] = _mm256_add_epi32(A[r][h], _mm256_mullo_epi32(S[r][h], s32[h]));
+#else
+        __m256i p[R][2];
+        block_pairs16<R>(codes, xq + b * kBlock, K, p);
+        __m256i s16[2];  // the column's scale in both int16 halves of its 32-bit lane
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load8_u8_epi32(sc + 8 * h);
+          s16[h] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) A[r][h] = _mm256_add_epi32(A[r][h], _mm256_madd_epi16(p[r][h], s16[h]));
+#endif
+      }
+    }
+    const uint16_t* ds = scales + sb * kGroup;
+    const __m256 d[2] = {simd::load8_f16(ds), simd::load8_f16(ds + 8)};
+    if constexpr (F == kFormatQ4K) {
+      // Σ_b mn_b·Σq_b, two blocks a VPMADDWD: mn (<= 63) and Σq (|Σq| <= 32·127) as int16 pairs
+      __m256i B[R][2];
+      for (int r = 0; r < R; ++r) B[r][0] = B[r][1] = _mm256_setzero_si256();
+      const uint8_t* mn = sub + sb * kPer * 2 * kGroup + kGroup;
+#pragma GCC unroll 4
+      for (int i = 0; i < kPer / 2; ++i) {
+        __m256i pair[2];
+        for (int h = 0; h < 2; ++h)
+          pair[h] = _mm256_or_si256(load8_u8_epi32(mn + 2 * i * 2 * kGroup + 8 * h),
+                                    _mm256_slli_epi32(load8_u8_epi32(mn + (2 * i + 1) * 2 * kGroup + 8 * h), 16));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int32_t* s = xs + r * KB + sb * kPer + 2 * i;
+          const uint32_t two = (static_cast<uint32_t>(s[0]) & 0xffffu) | (static_cast<uint32_t>(s[1]) << 16);
+          const __m256i sv = _mm256_set1_epi32(static_cast<int32_t>(two));
+          for (int h = 0; h < 2; ++h) B[r][h] = _mm256_add_epi32(B[r][h], _mm256_madd_epi16(pair[h], sv));
+        }
+      }
+      const __m256 dmin[2] = {simd::load8_f16(mins + sb * kGroup), simd::load8_f16(mins + sb * kGroup + 8)};
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xd[r * KB + sb * kPer]);
+        for (int h = 0; h < 2; ++h)
+          acc.add(r, h,
+                  _mm256_fmsub_ps(_mm256_cvtepi32_ps(A[r][h]), d[h], _mm256_mul_ps(_mm256_cvtepi32_ps(B[r][h]), dmin[h])),
+                  dx);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xd[r * KB + sb * kPer]);
+        for (int h = 0; h < 2; ++h) acc.add(r, h, _mm256_mul_ps(_mm256_cvtepi32_ps(A[r][h]), d[h]), dx);
+      }
+    }
+  }
+  acc.store(bias, y, ldy, col);
+}
+
 // The quantized activations of the rows a tile starts at: codes [rows, K], per block of 32 the
 // scale, Σq and Σ of its first 16 (rows K / 32 apart)
-struct XView {
-  const int8_t* q;
-  const float* d;
-  const int32_t* s;
-  const int32_t* s_lo;
-  const int16_t* q16;  // the codes as int16 (kWidePanel, calls of kPanelMinRows rows or more), else nullptr
-  XView at(int64_t row, int64_t K) const {
+struct XRows {
+  int8_t* q;
+  float* d;
+  int32_t* s;
+  int32_t* s_lo;
+  XRows at(int64_t row, int64_t K) const {
+    if (!q) return *this;
     const int64_t KB = K / kBlock;
-    return {q + row * K, d + row * KB, s + row * KB, s_lo + row * KB, q16 ? q16 + row * K : nullptr};
+    return {q + row * K, d + row * KB, s + row * KB, s_lo + row * KB};
   }
 };
 
+// Each format's view of the rows: `block` quantized per block of 32 (d_x per block, the plain
+// formats' Q8_0 activations), `super` per super-block of 256 (one d_x for its 8 blocks, stored
+// in each: the K-quants'). A call quantizes only the views its segments read, so a segment's
+// result never depends on the formats beside it.
+struct XView {
+  XRows block, super;
+  const int16_t* q16;  // block's codes as int16 (kWidePanel, calls of kPanelMinRows rows or more), else nullptr
+  XView at(int64_t row, int64_t K) const { return {block.at(row, K), super.at(row, K), q16 ? q16 + row * K : nullptr}; }
+};
+
+// n (1..R) rows: column_group<F, n>
 template <int F, int R, typename Out>
 inline void tile(int64_t n, const SegmentView& w, int64_t g, const XView& x, int64_t K, const uint16_t* bias, Out* y,
                  int64_t ldy, int64_t col, const int16_t* panel) {
   if constexpr (R > 1)
     if (n < R) return tile<F, R - 1>(n, w, g, x, K, bias, y, ldy, col, panel);
-  column_group<F, R>(w, g, x.q, x.d, x.s, x.s_lo, K, bias, y, ldy, col, panel, x.q16);
+  if constexpr (Format<F>::kKQuant)
+    column_group_k<F, R>(w, g, x.super.q, x.super.d, x.super.s, x.super.s_lo, K, bias, y, ldy, col);
+  else
+    column_group<F, R>(w, g, x.block.q, x.block.d, x.block.s, K, bias, y, ldy, col, panel, x.q16);
 }
 
 template <int F, typename Out>
@@ -549,42 +676,77 @@ void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, co
 
 }  // namespace
 
+namespace {
+// bytes of one XRows of M rows: codes, then per block d, Σq, Σ of the first 16
+inline int64_t rows_bytes(int64_t M, int64_t K) { return align64(M * K) + 3 * align64(M * (K / kBlock) * 4); }
+}  // namespace
+
 size_t quant_linear_scratch_bytes(int64_t M, int64_t K) {
-  const int64_t KB = K / kBlock;
   const int64_t wide = panel_may_run(M) ? align64(M * K * 2) : 0;  // the int16 codes
-  return static_cast<size_t>(align64(M * K) + 3 * align64(M * KB * 4) + wide);
+  return static_cast<size_t>(2 * rows_bytes(M, K) + wide);         // the per-block and the per-super-block view
 }
 
 namespace {
 
-// x's rows quantized per block of 32 into `scratch` (quant_linear_scratch_bytes(M, K)), and the
-// int16 copy where an 8-bit segment will read the panel
+XRows rows_at(char* base, int64_t M, int64_t K) {
+  const int64_t KB = K / kBlock;
+  return {reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + align64(M * K)),
+          reinterpret_cast<int32_t*>(base + align64(M * K) + align64(M * KB * 4)),
+          reinterpret_cast<int32_t*>(base + align64(M * K) + 2 * align64(M * KB * 4))};
+}
+
+// x's rows quantized into `scratch` (quant_linear_scratch_bytes(M, K)): per block of 32 where a
+// plain segment reads them, per super-block where a K-quant one does, and the int16 copy where
+// an 8-bit segment will read the panel
 XView quantize_rows(const void* x, bool x_bf16, int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs,
                     void* scratch) {
   const int64_t KB = K / kBlock;
   char* base = static_cast<char*>(scratch);
-  int8_t* xq = reinterpret_cast<int8_t*>(base);
-  float* xd = reinterpret_cast<float*>(base + align64(M * K));
-  int32_t* xs = reinterpret_cast<int32_t*>(base + align64(M * K) + align64(M * KB * 4));
-  int32_t* xs_lo = reinterpret_cast<int32_t*>(base + align64(M * K) + 2 * align64(M * KB * 4));
-  bool wide = false;  // an 8-bit segment will read the int16 codes (rows_of_group's panel)
-  if (panel_may_run(M))
-    for (int64_t i = 0; i < num_segs; ++i) wide = wide || format_bits(segs[i].format) == 8;
-  int16_t* xq16 = wide ? reinterpret_cast<int16_t*>(base + align64(M * K) + 3 * align64(M * KB * 4)) : nullptr;
-  // each block on its own: the split between threads cannot change a value
+  bool plain = false, k_quant = false, wide = false;  // wide: an 8-bit segment reads rows_of_group's panel
+  for (int64_t i = 0; i < num_segs; ++i) {
+    const bool kq = format_is_k_quant(segs[i].format);
+    k_quant = k_quant || kq;
+    plain = plain || !kq;
+    wide = wide || (panel_may_run(M) && format_bits(segs[i].format) == 8);
+  }
+  XView v{};
+  if (plain) v.block = rows_at(base, M, K);
+  if (k_quant) v.super = rows_at(base + rows_bytes(M, K), M, K);
+  int16_t* xq16 = wide ? reinterpret_cast<int16_t*>(base + 2 * rows_bytes(M, K)) : nullptr;
+  v.q16 = xq16;
+  auto quantize = [&](int64_t off, float amax, const XRows& o, int64_t i) {
+    if (x_bf16) quantize_block(static_cast<const uint16_t*>(x) + off, amax, o.q + off, o.d + i, o.s + i, o.s_lo + i);
+    else quantize_block(static_cast<const float*>(x) + off, amax, o.q + off, o.d + i, o.s + i, o.s_lo + i);
+  };
+  auto amax_of = [&](int64_t off) {
+    return x_bf16 ? block_amax(static_cast<const uint16_t*>(x) + off) : block_amax(static_cast<const float*>(x) + off);
+  };
+  // each block (super-block) on its own: the split between threads cannot change a value
   const int64_t blocks = M * KB;
+  if (plain) {
 #pragma omp parallel for schedule(static) if (blocks >= 2048)
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int64_t off = (i / KB) * K + (i % KB) * kBlock;
-    if (x_bf16) quantize_block(static_cast<const uint16_t*>(x) + off, xq + off, xd + i, xs + i, xs_lo + i);
-    else quantize_block(static_cast<const float*>(x) + off, xq + off, xd + i, xs + i, xs_lo + i);
-    if (xq16) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + off));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq16 + off), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq16 + off + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t off = (i / KB) * K + (i % KB) * kBlock;
+      quantize(off, amax_of(off), v.block, i);
+      if (xq16) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.block.q + off));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq16 + off), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq16 + off + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+      }
     }
   }
-  return XView{xq, xd, xs, xs_lo, xq16};
+  if (k_quant) {
+    constexpr int64_t kPer = kSuper / kBlock;
+    const int64_t supers = blocks / kPer;
+#pragma omp parallel for schedule(static) if (blocks >= 2048)
+    for (int64_t j = 0; j < supers; ++j) {
+      const int64_t i0 = j * kPer, off0 = (i0 / KB) * K + (i0 % KB) * kBlock;  // K-quant depths: K % 256 == 0
+      float amax = 0.f;
+      for (int64_t b = 0; b < kPer; ++b) amax = std::max(amax, amax_of(off0 + b * kBlock));
+      for (int64_t b = 0; b < kPer; ++b) quantize(off0 + b * kBlock, amax, v.super, i0 + b);
+    }
+  }
+  return v;
 }
 
 // Every row's own weight, one stealing pass over all (row, group) items: an item is one row
