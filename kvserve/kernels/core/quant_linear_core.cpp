@@ -159,6 +159,16 @@ struct Format {
   static constexpr int kNatural = kBits == 8 && !KVSERVE_VNNI_DOT ? 128 : 0;
 };
 
+// A 4-bit (group, block)'s vector j split into its codes: lo0/hi0 inputs 4j..4j+3 and 16+4j..
+// of columns 0-7, lo1/hi1 of columns 8-15
+inline void nibbles(const uint8_t* codes, int j, __m256i& lo0, __m256i& hi0, __m256i& lo1, __m256i& hi1) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+  const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+  lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+  lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+}
+
 #if !KVSERVE_VNNI_DOT
 // The 4-bit formats' int16 pair sums of one (group, block) for R rows at the levels without a
 // dot instruction: p[r][h] lanes 2c, 2c+1 hold two halves of Σ_k c_k·q_k of column 8h + c
@@ -167,16 +177,13 @@ struct Format {
 // the scaled sums (the K-quants).
 template <int R>
 inline void block_pairs16(const uint8_t* codes, const int8_t* x, int64_t K, __m256i (&p)[R][2]) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
   // Not unrolled: with 4 rows the full unroll keeps 4 weight pairs and 8 pair sums live and
   // GCC spills them to the stack (measured at avx2, 512x2048->8192: Q4_1 150 -> 200 GMAC/s).
   // Splitting the halves (8 columns at a time, fully unrolled) ran 200 -> 134 GMAC/s on Q4_K.
 #pragma GCC unroll 1
   for (int j = 0; j < 4; ++j) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
-    const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
-    const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+    __m256i lo0, hi0, lo1, hi1;
+    nibbles(codes, j, lo0, hi0, lo1, hi1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
@@ -196,16 +203,13 @@ inline void block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i
   [[maybe_unused]] constexpr int A = R <= 2 ? 2 : 1;  // independent chains per sum where rows are few (VNNI latency)
   if constexpr (Format<F>::kBits == 4) {
 #if KVSERVE_VNNI_DOT
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256i acc[A][R][2];
     for (int a = 0; a < A; ++a)
       for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
-      const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
-      const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+      __m256i lo0, hi0, lo1, hi1;
+      nibbles(codes, j, lo0, hi0, lo1, hi1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256i bl = bcast4(x + r * K + 4 * j), bh = bcast4(x + r * K + 16 + 4 * j);
