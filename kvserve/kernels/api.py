@@ -484,6 +484,31 @@ class CpuOps(Protocol):
         """rope_and_cache into int8 pools: K (after RoPE) and V quantized per (slot, KV head), scales into
         k_scale / v_scale [num_blocks, block_size, N_kv] fp32 (kvserve/attention/kv_pool.py quantize_kv); returns Q."""
 
+    def qk_sum_squares(self, qkv: torch.Tensor, q_size: int, kv_size: int) -> torch.Tensor:
+        """(Σ q², Σ k²) of each QKV row [T, q_size + 2·kv_size] in fp32: [T, 2] (a rank's partial sums)."""
+
+    def whole_projection_norm(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        q_size: int,
+        kv_size: int,
+        q_width: float,
+        k_width: float,
+        eps: float,
+        sums: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """OLMoE's q/k norms: q·rsqrt(Σq²/q_width + eps)·q_weight, the same for k, v as it is, each product
+        rounded to the dtype as RMSNorm's; `sums` [T, 2] fp32 (qk_sum_squares, AllReduced under tensor
+        parallelism), else each row's own."""
+
+    def moe_route(
+        self, x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's router choice: softmax over x·routerᵀ in fp32, the top k (largest first, ties to the
+        lower expert), renormalised to sum 1 where norm_topk_prob: (weights fp32 [T, k], experts int64 [T, k])."""
+
     def silu_and_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
         """[T, 2F] -> silu(gate) * up, [T, F]."""
 

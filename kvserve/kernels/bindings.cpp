@@ -48,6 +48,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "RoPE on Q and K, K/V written to their slots; returns Q");
   m.def("rope_and_cache_int8", &rope_and_cache_int8,
         "RoPE on Q and K, K/V quantized into int8 pools with a scale per (slot, KV head); returns Q");
+  m.def("qk_sum_squares", &qk_sum_squares, "each QKV row's (sum of q squared, sum of k squared) in fp32",
+        py::arg("qkv"), py::arg("q_size"), py::arg("kv_size"));
+  m.def("whole_projection_norm", &whole_projection_norm,
+        "RMSNorm over the whole Q and the whole K projection of each QKV row (V as it is), from `sums` or the row's own",
+        py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("q_size"), py::arg("kv_size"),
+        py::arg("q_width"), py::arg("k_width"), py::arg("eps"), py::arg("sums") = py::none());
+  m.def("moe_route", &moe_route, "each token's top-k experts by its fp32 router softmax: (weights, experts)",
+        py::arg("x"), py::arg("router"), py::arg("top_k"), py::arg("norm_topk_prob"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for small M, bf16");

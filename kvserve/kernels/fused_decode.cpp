@@ -16,16 +16,11 @@
 // A mixture of experts' sparse layer (DecodeLayer.moe) runs one token's routed experts by
 // moe_token (and its shared expert), so such a model's step is fused at batch 1 only: larger
 // batches group their tokens by expert (model/moe.py), layer by layer. OLMoE's q/k norms over
-// the whole projections are its torch ops here too.
+// the whole projections are its kernel here too (whole_projection_norm).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/rsqrt.h>
 #include <ATen/ops/sigmoid.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/stack.h>
-#include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -52,25 +47,18 @@ void norm_heads_(at::Tensor& qkv, const DecodeLayer& layer, int64_t num_heads, i
 }
 
 // OLMoE's q/k norms over the whole Q and whole K projection: model/llama.py
-// WholeProjectionNorm's ATen ops in its order (one process: no AllReduce, each KV head once),
-// so the fused step and the layer-by-layer one agree bitwise.
+// WholeProjectionNorm's kernel call (one process: no AllReduce, each KV head once), so the
+// fused step and the layer-by-layer one agree bitwise.
 at::Tensor norm_whole(const at::Tensor& qkv, const DecodeLayer& layer, int64_t q_size, int64_t kv_size, double eps) {
-  const std::vector<at::Tensor> parts = qkv.to(at::kFloat).split_with_sizes({q_size, kv_size, kv_size}, -1);
-  const at::Tensor sums = at::stack({parts[0].pow(2).sum(-1), parts[1].pow(2).sum(-1)}, -1);
-  const at::Tensor q = parts[0].mul(at::rsqrt(sums.narrow(1, 0, 1).div(q_size).add(eps)));
-  const at::Tensor k = parts[1].mul(at::rsqrt(sums.narrow(1, 1, 1).div(kv_size).add(eps)));
-  const auto dtype = qkv.scalar_type();
-  return at::cat({layer.q_norm.mul(q.to(dtype)), layer.k_norm.mul(k.to(dtype)), parts[2].to(dtype)}, -1);
+  return whole_projection_norm(qkv, layer.q_norm, layer.k_norm, q_size, kv_size, static_cast<double>(q_size),
+                               static_cast<double>(kv_size), eps, c10::nullopt);
 }
 
 // One token's float (bf16) experts: model/moe.py route() and _one_token, the same ops in the
 // same order (the experts in index order, each a SiLU MLP on its projections, weighted into
 // an fp32 sum): (out [1, d] fp32, the experts run in index order).
 std::tuple<at::Tensor, at::Tensor> float_experts(const at::Tensor& x, const DecodeMoe& moe) {
-  auto [weights, chosen] = at::topk(at::softmax(at::linear(x.to(at::kFloat), moe.router), -1), moe.top_k, -1);
-  if (moe.norm_topk_prob) weights = weights.div(weights.sum({-1}, true));
-  weights = weights.contiguous();
-  chosen = chosen.contiguous();
+  auto [weights, chosen] = moe_route(x.contiguous(), moe.router, moe.top_k, moe.norm_topk_prob);
   std::vector<std::pair<int64_t, float>> pairs;
   for (int64_t j = 0; j < moe.top_k; ++j) pairs.emplace_back(chosen.data_ptr<int64_t>()[j], weights.data_ptr<float>()[j]);
   std::sort(pairs.begin(), pairs.end());

@@ -10,7 +10,9 @@
 //   decode_attention         paged_decode_attention (_lse: a range of positions, fp32 out + lse)
 //   shared_prefix_attention  shared_prefix_attention, merge_attention_states: read-once shared-prefix decode attention
 //   prefill_attention        paged_prefill_attention
-//   norm_rope_act            rms_norm, rope_and_cache (rope_and_cache_int8), silu_and_mul, gelu_tanh_and_mul
+//   norm_rope_act            rms_norm, qk_sum_squares, whole_projection_norm, rope_and_cache (rope_and_cache_int8),
+//                            silu_and_mul, gelu_tanh_and_mul
+//   moe_route                moe_route: a sparse layer's router (fp32 logits, softmax, top k)
 //   argmax                   argmax_rows
 //   quant_linear             quant_linear, quant_embedding: block-quantized weights (int8 dot products)
 //
@@ -240,6 +242,20 @@ at::Tensor rope_and_cache_int8(at::Tensor qkv, at::Tensor positions, at::Tensor 
                                at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);  // Gemma's GeGLU: gelu_tanh(gate) · up
+// OLMoE's q/k norms over the whole Q and K projections of qkv [T, q_size + 2·kv_size]: each row's
+// (Σ q², Σ k²) fp32 [T, 2]; and the normalised rows (V as it is) from those sums, or the row's own
+at::Tensor qk_sum_squares(at::Tensor qkv, int64_t q_size, int64_t kv_size);
+at::Tensor whole_projection_norm(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t q_size,
+                                 int64_t kv_size, double q_width, double k_width, double eps,
+                                 c10::optional<at::Tensor> sums);
+
+// ---- moe_route.cpp ------------------------------------------------------------------------
+
+// Each token's router choice (model/moe.py route): softmax of its fp32 logits over all experts,
+// the top k, renormalised where norm_topk_prob: (weights fp32 [T, k], experts int64 [T, k],
+// the largest first)
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
+                                             bool norm_topk_prob);
 
 // ---- argmax.cpp ---------------------------------------------------------------------------
 

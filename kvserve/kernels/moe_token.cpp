@@ -1,14 +1,11 @@
 // One token's routed experts in one C++ call (kvserve/model/moe.py SparseMoE, batch-1 decode):
-// the router's top k in fp32, the k experts' [gate; up] as one quant_linear over their stacked
+// the router's top k in fp32 (moe_route), the k experts' [gate; up] as one quant_linear over their stacked
 // segments, silu·up, the k down projections as one quant_linear_rows, and the weighted sum in
-// expert order. The same ATen ops and kernels, in the same order, as moe.py's Python path for
+// expert order. The same kernels (and ATen ops), in the same order, as moe.py's Python path for
 // one token (so the same bits, which tests/model/test_moe.py holds); what it saves is the
 // Python between them, where the second thread waited a third of a decode step.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/topk.h>
 
 #include <algorithm>
 #include <cstring>
@@ -25,10 +22,7 @@ std::tuple<at::Tensor, at::Tensor> moe_token(const at::Tensor& x, const at::Tens
   TORCH_CHECK(static_cast<int64_t>(experts.down.size()) == E && 0 < top_k && top_k <= E, "moe_token: top_k ", top_k,
               " of ", E, " experts");
   // moe.py route(): softmax over all experts in fp32, the top k, renormalised where asked
-  auto [weights, chosen] = at::topk(at::softmax(at::linear(x.to(at::kFloat), router), -1), top_k, -1);
-  if (norm_topk_prob) weights = weights.div(weights.sum({-1}, true));
-  weights = weights.contiguous();
-  chosen = chosen.contiguous();
+  auto [weights, chosen] = moe_route(x.contiguous(), router, top_k, norm_topk_prob);
   const float* w = weights.data_ptr<float>();
   const int64_t* ids = chosen.data_ptr<int64_t>();
   // the experts in index order, as moe.py sorts them (and as the batched path meets them)

@@ -92,6 +92,7 @@ class KernelSupport:
     rms_norm: KernelChoice
     rope_and_cache: KernelChoice
     qk_norm: KernelChoice
+    moe_route: KernelChoice
     silu_and_mul: KernelChoice
     argmax_rows: KernelChoice
     gemv: KernelChoice
@@ -192,13 +193,18 @@ class KernelSupport:
              None if arch.rotary_dim == hd else f"partial rotary ({arch.rotary_dim} of head_dim {hd} turned)"],
             "RoPE and the K/V write" + (" (quantized to int8)" if int8_kv else "") + " in one pass",
         )
-        # rms_norm's kernel over each q and k head's H features (rows of H)
-        qk_norm = verdict(
-            [family("norm_rope_act"), multiple(hd, lim["rms_norm_width_multiple"], "head_dim")],
-            "rms_norm over each q and k head, before RoPE",
-        ) if arch.qk_norm_per_head else KernelChoice.off(
-            "q/k norms over the whole projection (torch, fp32 statistics)" if arch.qk_norm_whole
-            else "no per-head q/k norm in this architecture")  # fmt: skip
+        # rms_norm's kernel over each q and k head's H features (rows of H); OLMoE's over the
+        # whole Q and K projections (whole_projection_norm: any width)
+        if arch.qk_norm_per_head:
+            qk_norm = verdict([family("norm_rope_act"), multiple(hd, lim["rms_norm_width_multiple"], "head_dim")],
+                              "rms_norm over each q and k head, before RoPE")
+        elif arch.qk_norm_whole:
+            qk_norm = verdict([family("norm_rope_act")], "q/k norms over the whole Q and K projections (fp32 sums), one pass")
+        else:
+            qk_norm = KernelChoice.off("no q/k norm in this architecture")
+        # a sparse layer's router: fp32 logits, softmax and top k in one call
+        moe_route = verdict([family("moe_route")], "fp32 logits, softmax and top k in one pass") if arch.num_experts \
+            else KernelChoice.off("no sparse layers in this architecture")
         # the MLP's activation (SiLU, or Gemma's gelu_tanh: gelu_tanh_and_mul) times up, in one pass
         silu_and_mul = verdict([family("norm_rope_act"), multiple(arch.intermediate_size, lim["silu_width_multiple"], "intermediate_size")]
                                + [multiple(width, lim["silu_width_multiple"], name) for width, name in (
@@ -247,7 +253,8 @@ class KernelSupport:
             + [None if c.enabled else f"{name} is off"
                for name, c in (("decode attention", decode_attention), ("rms_norm", rms_norm),
                                ("rope_and_cache", rope_and_cache), ("silu_and_mul", silu_and_mul), ("GEMV", gemv))]
-            + [None if qk_norm.enabled or not arch.qk_norm_per_head else "q/k norm is off",
+            + [None if qk_norm.enabled or not arch.qk_norm else "q/k norm is off",
+               None if moe_route.enabled or not arch.num_experts else "the router is off",
                None if arch.fused_layer_refusal is None else f"the step does not run {arch.fused_layer_refusal}"],
             "all layers of a decode batch in one C++ call" if not arch.num_experts else
             # moe_token runs one token's experts; a batch's tokens are grouped by expert (model/moe.py)
@@ -258,7 +265,8 @@ class KernelSupport:
             quant_linear=cls.quant_linear_choice(dtype, device, ops),
             summary=f"kvserve CPU kernels at the {level} level" + (" (AMX tiles granted)" if amx else ""),
             decode_attention=decode_attention, prefill_attention=prefill_attention, rms_norm=rms_norm,
-            rope_and_cache=rope_and_cache, qk_norm=qk_norm, silu_and_mul=silu_and_mul, argmax_rows=argmax_rows, gemv=gemv,
+            rope_and_cache=rope_and_cache, qk_norm=qk_norm, moe_route=moe_route, silu_and_mul=silu_and_mul,
+            argmax_rows=argmax_rows, gemv=gemv,
             amx_linear=amx_linear, onednn_linear=onednn_linear, silu_epilogue=silu_epilogue,
             argmax_epilogue=argmax_epilogue, fused_decode=fused_decode, gemv_max_rows=lim["gemv_max_rows"],
             amx_argmax_max_rows=lim["amx_argmax_max_rows"], tile_rows=lim["tile_rows"], tile_k=lim["tile_k"], amx=amx,
@@ -288,7 +296,7 @@ class KernelSupport:
 
     def op(self, name: str):
         """The compiled module if kernel `name` (a KernelChoice field: rms_norm, rope_and_cache,
-        qk_norm, silu_and_mul, argmax_rows, decode_attention, prefill_attention) is on for this model,
+        qk_norm, moe_route, silu_and_mul, argmax_rows, decode_attention, prefill_attention) is on for this model,
         else None: the caller's plain-torch path."""
         return self.ops if getattr(self, name).enabled else None
 

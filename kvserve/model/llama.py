@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
         if arch.qk_norm_whole:  # OLMoE: over all of q's and all of k's features, this rank's share of them
             self.whole_norm = WholeProjectionNorm(
                 w.pop(f"{prefix}.q_norm.weight"), w.pop(f"{prefix}.k_norm.weight"), self.q_size, self.kv_size,
-                arch.rms_norm_eps, tp, kv_replication,
+                arch.rms_norm_eps, tp, kv_replication, kernels.op("qk_norm"),
             )  # fmt: skip
         elif arch.qk_norm:
             ops = kernels.op("qk_norm")
@@ -162,10 +162,14 @@ class WholeProjectionNorm(nn.Module):
     """OLMoE's q and k norms: RMSNorm over the whole Q projection (N_q·H features) and the whole
     K projection, on a QKV output [T, (N_q + 2·N_kv)·H], V as it is. Under tensor parallelism a
     rank holds some heads: the sums of squares are AllReduced (a KV head held by r ranks counted
-    once: its sum divided by r), so every rank normalises by the whole projection's RMS."""
+    once: its sum divided by r), so every rank normalises by the whole projection's RMS.
+    `ops`: the compiled module where KernelSupport turned qk_norm on (whole_projection_norm:
+    the sums and the normalised rows in one pass each, no ATen op between), else None."""
 
-    def __init__(self, q_weight, k_weight, q_size: int, kv_size: int, eps: float, tp=None, kv_replication: int = 1):
+    def __init__(self, q_weight, k_weight, q_size: int, kv_size: int, eps: float, tp=None, kv_replication: int = 1,
+                 ops=None):  # fmt: skip
         super().__init__()
+        self.ops = ops
         self.q_weight = nn.Parameter(q_weight, requires_grad=False)
         self.k_weight = nn.Parameter(k_weight, requires_grad=False)
         self.q_size, self.kv_size, self.eps = q_size, kv_size, eps
@@ -176,6 +180,8 @@ class WholeProjectionNorm(nn.Module):
         self.q_width, self.k_width = q_size * world, kv_size * world // kv_replication
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and qkv.is_contiguous() and qkv.dtype == self.q_weight.dtype:
+            return self._kernel(qkv)
         q, k, v = qkv.float().split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         sums = torch.stack([q.pow(2).sum(-1), k.pow(2).sum(-1) / self.kv_replication], dim=-1)  # [T, 2]
         if self.tp is not None:
@@ -185,6 +191,16 @@ class WholeProjectionNorm(nn.Module):
         # as transformers' RMSNorm: the normalised features in the model's dtype, then times w
         dtype = qkv.dtype
         return torch.cat([self.q_weight * q.to(dtype), self.k_weight * k.to(dtype), v.to(dtype)], dim=-1)
+
+    def _kernel(self, qkv: torch.Tensor) -> torch.Tensor:
+        sums = None
+        if self.tp is not None:  # this rank's partial sums, AllReduced as the torch path's
+            sums = self.ops.qk_sum_squares(qkv, self.q_size, self.kv_size)
+            if self.kv_replication != 1:
+                sums[:, 1] /= self.kv_replication
+            sums = self.tp.all_reduce(sums)
+        return self.ops.whole_projection_norm(qkv, self.q_weight, self.k_weight, self.q_size, self.kv_size,
+                                              float(self.q_width), float(self.k_width), self.eps, sums)  # fmt: skip
 
 
 def _rope_divisors(weights: dict, arch: ModelArchitecture, max_positions: int) -> torch.Tensor | None:

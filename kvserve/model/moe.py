@@ -65,7 +65,8 @@ class SparseMoE(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.counts = counts
-        self.router = nn.Parameter(w.pop(f"{prefix}.gate.weight").float(), requires_grad=False)  # [E, d], fp32
+        self.router = nn.Parameter(w.pop(f"{prefix}.gate.weight").float().contiguous(), requires_grad=False)  # [E, d], fp32
+        self.route_ops = kernels.op("moe_route")  # the router in one kernel call (moe_route), else torch
         self.experts = nn.ModuleList(
             SiluMLP(*(w.pop(f"{prefix}.experts.{e}.{p}_proj.weight") for p in ("gate", "up", "down")), kernels)
             for e in range(arch.num_experts)
@@ -94,7 +95,10 @@ class SparseMoE(nn.Module):
         return self._all_bytes
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] fp32, experts [T, k]) of each token: softmax over all experts in fp32, the top k."""
+        """(weights [T, k] fp32, experts [T, k]) of each token: softmax over all experts in fp32, the top k.
+        On the kernel, as moe_token and the fused step route (kernels/core/moe_route.h)."""
+        if self.route_ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            return self.route_ops.moe_route(x.contiguous(), self.router, self.top_k, self.norm_topk_prob)
         probs = torch.nn.functional.linear(x.float(), self.router).softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

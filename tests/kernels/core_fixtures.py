@@ -32,12 +32,13 @@ from kvserve.attention.reference import decode_attention, prefill_attention
 from kvserve.model import quant_formats as qf
 from tests.support.kernel_cases import int8_reference, prefill_case, quantized_weight
 from kvserve.model.layers import RMSNorm
+from kvserve.model.llama import WholeProjectionNorm
 from tests.support.kquants import random_k_blocks
 
 FAMILIES = (
     "gemv_rowmajor", "gemm_tiles", "quant_linear", "quant_linear_rows", "quant_embedding", "decode_attention", "prefill_attention",
     "shared_prefix_attention", "merge_attention_states", "rms_norm", "rope_and_cache", "rope_and_cache_int8",
-    "silu_and_mul", "gelu_tanh_and_mul", "argmax_rows",
+    "silu_and_mul", "gelu_tanh_and_mul", "argmax_rows", "whole_projection_norm", "moe_route",
 )  # fmt: skip
 
 # the integer view of each dtype: bitwise comparisons that NaN (and -0) cannot fool
@@ -983,9 +984,83 @@ def quant_rows_cases(s: Suite) -> None:
                 ck.same(y[r], res[cid]["y"][0], f"{name}: row {r} against quant_linear on it alone")
 
 
+def whole_norm_cases(s: Suite) -> None:
+    """OLMoE's q/k norms over the whole projections against the torch layer (WholeProjectionNorm
+    without ops), from the row's own sums and from given ones; a row alone against the same row
+    among others, bit for bit."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for T, q_size, kv_size in ((7, 256, 64), (3, 80, 40)):  # 80, 40: tails past the 32-wide loop
+            g = _gen(q_size + kv_size)
+            qkv = (torch.randn(T, q_size + 2 * kv_size, generator=g) * 3).to(dtype)
+            q_w, k_w = torch.randn(q_size, generator=g).to(dtype), torch.randn(kv_size, generator=g).to(dtype)
+            expected = WholeProjectionNorm(q_w, k_w, q_size, kv_size, 1e-6)(qkv)
+            q32, k32 = qkv.float()[:, :q_size], qkv.float()[:, q_size : q_size + kv_size]
+            want_sums = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], -1)
+            name = f"{str(dtype)[6:]} T={T} q={q_size} kv={kv_size}"
+            params = dict(q_size=q_size, kv_size=kv_size, q_width=float(q_size), k_width=float(kv_size), eps=1e-6,
+                          bf16=int(dtype == torch.bfloat16))  # fmt: skip
+
+            def call(desc, rows, sums=None):
+                inputs = dict(qkv=qkv[rows], q_w=q_w, k_w=k_w, **({} if sums is None else dict(sums=sums)))
+                return s.add("whole_projection_norm", desc, dict(params, T=len(rows)), inputs,
+                             dict(out=torch.zeros(len(rows), qkv.shape[1], dtype=dtype), sums_out=torch.zeros(len(rows), 2)))
+            whole = call(name, list(range(T)))
+            given = call(f"{name}: from given sums", list(range(T)), want_sums)
+            last = call(f"{name}: row {T - 1} alone", [T - 1])
+
+            @s.check("whole_projection_norm")
+            def _(res, ck, name=name, whole=whole, given=given, last=last, expected=expected, want_sums=want_sums,
+                  dtype=dtype, T=T):  # fmt: skip
+                out = res[whole]["out"]
+                ck.close(out.float(), expected.float(), 1e-5, 1e-5 if dtype == torch.float32 else 8e-3, f"{name} against the torch layer")
+                ck.close(res[whole]["sums_out"], want_sums, 1e-5, 1e-5, f"{name}: qk_sum_squares")
+                ck.close(res[given]["out"].float(), expected.float(), 1e-5, 1e-5 if dtype == torch.float32 else 8e-3,
+                         f"{name}: from given sums against the torch layer")  # fmt: skip
+                ck.same(res[last]["out"][0], out[T - 1], f"{name}: the last row alone")
+
+
+def route_cases(s: Suite) -> None:
+    """A sparse layer's router against torch's softmax and top k (float64 probabilities): the
+    same experts in rank order, the weights within fp32 rounding; a token alone against the
+    same token among others, bit for bit; a tie goes to the lower expert."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for T, D, E, k, renorm in ((9, 256, 16, 4, True), (4, 200, 60, 8, False)):
+            g = _gen(D + E)
+            x = torch.randn(T, D, generator=g).to(dtype)
+            router = torch.randn(E, D, generator=g) * 0.05
+            probs = F.linear(x.double(), router.double()).softmax(-1)
+            want_w, want_e = probs.topk(k, -1)
+            if renorm:
+                want_w = want_w / want_w.sum(-1, keepdim=True)
+            name = f"{str(dtype)[6:]} T={T} D={D} E={E} k={k}{' renormalised' if renorm else ''}"
+            params = dict(D=D, E=E, k=k, renormalise=int(renorm), bf16=int(dtype == torch.bfloat16))
+
+            def call(desc, rows):
+                return s.add("moe_route", desc, dict(params, T=len(rows)), dict(x=x[rows], router=router),
+                             dict(weights=torch.zeros(len(rows), k), experts=torch.full((len(rows), k), -1, dtype=torch.long)))
+            whole = call(name, list(range(T)))
+            last = call(f"{name}: token {T - 1} alone", [T - 1])
+
+            @s.check("moe_route")
+            def _(res, ck, name=name, whole=whole, last=last, want_w=want_w, want_e=want_e, T=T):
+                ck.same(res[whole]["experts"], want_e, f"{name}: the experts, largest first")
+                ck.close(res[whole]["weights"], want_w, 1e-7, 2e-5, f"{name}: the weights")
+                ck.same(res[last]["experts"][0], res[whole]["experts"][T - 1], f"{name}: the last token alone (experts)")
+                ck.same(res[last]["weights"][0], res[whole]["weights"][T - 1], f"{name}: the last token alone (weights)")
+    router = torch.zeros(6, 64)
+    router[[1, 4]] = 1.0
+    router[2] = 0.5
+    tie = s.add("moe_route", "a tie between experts 1 and 4", dict(T=1, D=64, E=6, k=3, renormalise=0, bf16=0),
+                dict(x=torch.ones(1, 64), router=router), dict(weights=torch.zeros(1, 3), experts=torch.full((1, 3), -1, dtype=torch.long)))  # fmt: skip
+
+    @s.check("moe_route")
+    def _(res, ck, tie=tie):
+        ck.same(res[tie]["experts"], torch.tensor([[1, 4, 2]]), "a tie goes to the lower expert")
+
+
 def build_suite() -> Suite:
     s = Suite()
     for make in (gemv_cases, quant_cases, quant_rows_cases, decode_cases, prefill_cases, shared_prefix_cases, softcap_cases,
-                 merge_cases, norm_cases, rope_cases, act_cases, argmax_cases):  # fmt: skip
+                 merge_cases, norm_cases, whole_norm_cases, rope_cases, act_cases, argmax_cases, route_cases):  # fmt: skip
         make(s)
     return s

@@ -92,7 +92,8 @@ def test_bf16_kernels_follow_transformers(kernel_level, shape_dirs, shape):
     engine = _engine(path)
     k = engine.model.kernels
     assert k.level == (kernel_level or k.level), k.describe()
-    assert k.qk_norm.enabled == engine.arch.qk_norm_per_head, k.describe()
+    assert k.qk_norm.enabled == engine.arch.qk_norm, k.describe()  # per head (Qwen3, Gemma 3) or whole (OLMoE)
+    assert k.moe_route.enabled == bool(engine.arch.num_experts), k.describe()
     attention_kernels = engine.arch.head_dim <= ops.limits()["decode_attention_max_head_dim"]
     assert k.decode_attention.enabled == attention_kernels, k.describe()
     assert k.fused_decode.enabled == (shape not in NOT_FUSED), k.describe()

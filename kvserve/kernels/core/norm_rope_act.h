@@ -1,5 +1,5 @@
 // The fused elementwise steps of a decoder layer, torch-free (the core of kernels.h's
-// rms_norm, rope_and_cache, rope_and_cache_int8 and silu_and_mul).
+// rms_norm, the whole-projection q/k norm, rope_and_cache, rope_and_cache_int8 and silu_and_mul).
 // Each function comes for fp32 (float) and bf16 (uint16_t) tensors; the element type of every
 // pointer but the RoPE tables, the int8 pools and their scales is the model dtype. Every
 // output element depends only on its own row (token), whatever the row count: no function
@@ -25,6 +25,29 @@ namespace nra {
 void rms_norm(const float* x, const float* w, float* out, float* residual, int64_t T, int64_t D, float eps);
 void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* out, uint16_t* residual, int64_t T, int64_t D,
               float eps);
+
+// OLMoE's q/k norms over the whole Q and the whole K projection of each QKV row
+// (model/llama.py WholeProjectionNorm): qkv [T, q_size + 2·kv_size] = Q, K, V features.
+// qk_sum_squares: sums[t] = (Σ q², Σ k²) of row t in fp32, each in rms_norm's order (the
+// partial sums a tensor-parallel rank AllReduces). whole_projection_norm: out row t = [q ·
+// inv_q, k · inv_k, v], inv = 1 / sqrt(Σ / width + eps) in fp32 from `sums` (nullptr: the row's
+// own, as qk_sum_squares gives them), each product rounded to the dtype, then times its weight
+// (q_weight [q_size], k_weight [kv_size]) rounded to the dtype, as rms_norm; V copied. q_width,
+// k_width: the whole projections' widths (under tensor parallelism more than this rank's share).
+template <typename T>
+struct WholeNormArgs {
+  const T* qkv;
+  const float* sums;  // [T, 2] or nullptr
+  const T* q_weight;
+  const T* k_weight;
+  T* out;  // [T, q_size + 2·kv_size]
+  int64_t num_tokens, q_size, kv_size;
+  float q_width, k_width, eps;
+};
+void qk_sum_squares(const float* qkv, float* sums, int64_t T, int64_t q_size, int64_t kv_size);
+void qk_sum_squares(const uint16_t* qkv, float* sums, int64_t T, int64_t q_size, int64_t kv_size);
+void whole_projection_norm(const WholeNormArgs<float>& a);
+void whole_projection_norm(const WholeNormArgs<uint16_t>& a);
 
 // RoPE (rotate-half) and the KV write of one step's tokens.
 //   qkv [T, width] (width >= (N_q + 2 N_kv) · H): row t = Q heads, K heads, V heads, each H wide

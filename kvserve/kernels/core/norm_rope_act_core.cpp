@@ -85,12 +85,43 @@ inline void add_residual32(T* res, const T* x, SumSq& ss) {
   ss.add32(r0, r1, r2, r3);
 }
 
+// Σ x² of x[0, D) in SumSq's order: 32 at a time, the last < 32 values through a zero-padded
+// copy (padding adds 0 to the sums)
+template <typename T>
+float sum_squares(const T* x, int64_t D) {
+  SumSq ss;
+  const int64_t D32 = D / 32 * 32;
+  for (int64_t d = 0; d < D32; d += 32) ss.add32(load8(x + d), load8(x + d + 8), load8(x + d + 16), load8(x + d + 24));
+  if (D > D32) {
+    T xb[32] = {};
+    std::copy(x + D32, x + D, xb);
+    ss.add32(load8(xb), load8(xb + 8), load8(xb + 16), load8(xb + 24));
+  }
+  return ss.total();
+}
+
+// out[0, D) = (x · inv rounded to the dtype) · w rounded to the dtype
+template <typename T>
+void scale_row(const T* x, float inv_scalar, const T* w, T* out, int64_t D) {
+  const __m256 inv = _mm256_set1_ps(inv_scalar);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) store8(out + d, _mm256_mul_ps(to_dtype<T>(_mm256_mul_ps(load8(x + d), inv)), load8(w + d)));
+  if (d < D) {
+    const int64_t n = D - d;
+    store_tail(out + d, _mm256_mul_ps(to_dtype<T>(_mm256_mul_ps(load_tail(x + d, n), inv)), load_tail(w + d, n)), n);
+  }
+}
+
+// 1 / sqrt(Σx² / width + eps), in fp32
+inline float inv_rms(float sum_sq, float width, float eps) { return 1.f / std::sqrt(sum_sq / width + eps); }
+
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, T* res, int64_t D, float eps) {
-  SumSq ss;
-  const int64_t D32 = D / 32 * 32, tail = D - D32;
+  float sum_sq;
   const T* src = x;
   if (res) {
+    SumSq ss;
+    const int64_t D32 = D / 32 * 32, tail = D - D32;
     for (int64_t d = 0; d < D32; d += 32) add_residual32(res + d, x + d, ss);
     if (tail) {  // the last < 32 values through zero-padded copies: padding adds 0 to the sums
       T rb[32] = {}, xb[32] = {};
@@ -99,22 +130,12 @@ void rms_norm_row(const T* x, const T* w, T* out, T* res, int64_t D, float eps) 
       add_residual32(rb, xb, ss);
       std::copy(rb, rb + tail, res + D32);
     }
+    sum_sq = ss.total();
     src = res;
   } else {
-    for (int64_t d = 0; d < D32; d += 32) ss.add32(load8(x + d), load8(x + d + 8), load8(x + d + 16), load8(x + d + 24));
-    if (tail) {
-      T xb[32] = {};
-      std::copy(x + D32, x + D, xb);
-      ss.add32(load8(xb), load8(xb + 8), load8(xb + 16), load8(xb + 24));
-    }
+    sum_sq = sum_squares(x, D);
   }
-  const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(ss.total() / static_cast<float>(D) + eps));
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) store8(out + d, _mm256_mul_ps(to_dtype<T>(_mm256_mul_ps(load8(src + d), inv)), load8(w + d)));
-  if (d < D) {
-    const int64_t n = D - d;
-    store_tail(out + d, _mm256_mul_ps(to_dtype<T>(_mm256_mul_ps(load_tail(src + d, n), inv)), load_tail(w + d, n)), n);
-  }
+  scale_row(src, inv_rms(sum_sq, static_cast<float>(D), eps), w, out, D);
 }
 
 template <typename T>
@@ -122,6 +143,34 @@ void rms_norm_impl(const T* x, const T* w, T* out, T* residual, int64_t T_, int6
 #pragma omp parallel for schedule(static) if (parallel_worth(T_, T_ * D))
   for (int64_t t = 0; t < T_; ++t)
     rms_norm_row(x + t * D, w, out + t * D, residual ? residual + t * D : nullptr, D, eps);
+}
+
+// ---- q/k norms over the whole projections (OLMoE) --------------------------------------------
+
+template <typename T>
+void qk_sum_squares_impl(const T* qkv, float* sums, int64_t T_, int64_t q_size, int64_t kv_size) {
+  const int64_t width = q_size + 2 * kv_size;
+#pragma omp parallel for schedule(static) if (parallel_worth(T_, T_ * width))
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* row = qkv + t * width;
+    sums[2 * t] = sum_squares(row, q_size);
+    sums[2 * t + 1] = sum_squares(row + q_size, kv_size);
+  }
+}
+
+template <typename T>
+void whole_projection_norm_impl(const WholeNormArgs<T>& a) {
+  const int64_t width = a.q_size + 2 * a.kv_size;
+#pragma omp parallel for schedule(static) if (parallel_worth(a.num_tokens, a.num_tokens * width))
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    const T* row = a.qkv + t * width;
+    T* out = a.out + t * width;
+    const float sq = a.sums ? a.sums[2 * t] : sum_squares(row, a.q_size);
+    const float sk = a.sums ? a.sums[2 * t + 1] : sum_squares(row + a.q_size, a.kv_size);
+    scale_row(row, inv_rms(sq, a.q_width, a.eps), a.q_weight, out, a.q_size);
+    scale_row(row + a.q_size, inv_rms(sk, a.k_width, a.eps), a.k_weight, out + a.q_size, a.kv_size);
+    std::copy(row + a.q_size + a.kv_size, row + width, out + a.q_size + a.kv_size);
+  }
 }
 
 // ---- RoPE ---------------------------------------------------------------------------------
@@ -280,6 +329,15 @@ void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* out, uint16_t* res
               float eps) {
   rms_norm_impl(x, w, out, residual, T, D, eps);
 }
+
+void qk_sum_squares(const float* qkv, float* sums, int64_t T, int64_t q_size, int64_t kv_size) {
+  qk_sum_squares_impl(qkv, sums, T, q_size, kv_size);
+}
+void qk_sum_squares(const uint16_t* qkv, float* sums, int64_t T, int64_t q_size, int64_t kv_size) {
+  qk_sum_squares_impl(qkv, sums, T, q_size, kv_size);
+}
+void whole_projection_norm(const WholeNormArgs<float>& a) { whole_projection_norm_impl(a); }
+void whole_projection_norm(const WholeNormArgs<uint16_t>& a) { whole_projection_norm_impl(a); }
 
 void rope_and_cache(const RopeArgs<float>& a, float* k_pool, float* v_pool) { rope_and_cache_impl(a, k_pool, v_pool); }
 void rope_and_cache(const RopeArgs<uint16_t>& a, uint16_t* k_pool, uint16_t* v_pool) {

@@ -1,5 +1,5 @@
-// The norm_rope_act family's torch layer (rms_norm, rope_and_cache, rope_and_cache_int8,
-// silu_and_mul, gelu_tanh_and_mul): the argument checks, then the torch-free core (core/norm_rope_act.h), on fp32
+// The norm_rope_act family's torch layer (rms_norm, qk_sum_squares, whole_projection_norm,
+// rope_and_cache, rope_and_cache_int8, silu_and_mul, gelu_tanh_and_mul): the argument checks, then the torch-free core (core/norm_rope_act.h), on fp32
 // or bf16 tensors.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -71,6 +71,48 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, c10::optional<a
     using E = decltype(tag);
     norm_rope_act_core::rms_norm(data<E>(x), data<E>(weight), data<E>(out), residual ? data<E>(*residual) : nullptr, T_, D,
                    static_cast<float>(eps));
+  });
+  return out;
+}
+
+// OLMoE's q/k norms over the whole projections (core/norm_rope_act.h WholeNormArgs)
+namespace {
+void check_whole_qkv(const at::Tensor& qkv, int64_t q_size, int64_t kv_size, const char* name) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && q_size > 0 && kv_size > 0 && qkv.size(1) == q_size + 2 * kv_size,
+              name, ": qkv must be [T, q_size + 2·kv_size] contiguous, got ", qkv.sizes(), " for q_size ", q_size,
+              ", kv_size ", kv_size);
+}
+}  // namespace
+
+at::Tensor qk_sum_squares(at::Tensor qkv, int64_t q_size, int64_t kv_size) {
+  check_whole_qkv(qkv, q_size, kv_size, "qk_sum_squares");
+  auto sums = at::empty({qkv.size(0), 2}, qkv.options().dtype(at::kFloat));
+  dispatch_f32_bf16(qkv.scalar_type(), "qk_sum_squares", [&](auto tag) {
+    using E = decltype(tag);
+    norm_rope_act_core::qk_sum_squares(data<E>(qkv), sums.data_ptr<float>(), qkv.size(0), q_size, kv_size);
+  });
+  return sums;
+}
+
+at::Tensor whole_projection_norm(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t q_size,
+                                 int64_t kv_size, double q_width, double k_width, double eps,
+                                 c10::optional<at::Tensor> sums) {
+  check_whole_qkv(qkv, q_size, kv_size, "whole_projection_norm");
+  TORCH_CHECK(q_weight.numel() == q_size && k_weight.numel() == kv_size && q_weight.is_contiguous() &&
+                  k_weight.is_contiguous() && q_weight.scalar_type() == qkv.scalar_type() &&
+                  k_weight.scalar_type() == qkv.scalar_type(),
+              "whole_projection_norm: weights of q_size and kv_size in qkv's dtype");
+  TORCH_CHECK(!sums || (sums->scalar_type() == at::kFloat && sums->is_contiguous() && sums->dim() == 2 &&
+                        sums->size(0) == qkv.size(0) && sums->size(1) == 2),
+              "whole_projection_norm: sums must be fp32 [T, 2]");
+  auto out = at::empty_like(qkv);
+  dispatch_f32_bf16(qkv.scalar_type(), "whole_projection_norm", [&](auto tag) {
+    using E = decltype(tag);
+    norm_rope_act_core::WholeNormArgs<E> a{data<E>(qkv), sums ? sums->data_ptr<float>() : nullptr, data<E>(q_weight),
+                                           data<E>(k_weight), data<E>(out), qkv.size(0), q_size, kv_size,
+                                           static_cast<float>(q_width), static_cast<float>(k_width),
+                                           static_cast<float>(eps)};
+    norm_rope_act_core::whole_projection_norm(a);
   });
   return out;
 }

@@ -17,6 +17,7 @@
 #include "../../../kvserve/kernels/core/argmax_core.cpp"
 #include "../../../kvserve/kernels/core/decode_attention_core.cpp"
 #include "../../../kvserve/kernels/core/gemv_core.cpp"
+#include "../../../kvserve/kernels/core/moe_route_core.cpp"
 #include "../../../kvserve/kernels/core/norm_rope_act_core.cpp"
 #include "../../../kvserve/kernels/core/prefill_attention_core.cpp"
 #include "../../../kvserve/kernels/core/quant_linear_core.cpp"
@@ -32,6 +33,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace core = kvserve::KVSERVE_LEVEL_NS;
@@ -230,6 +232,25 @@ void run(const Case& c) {
                      : static_cast<void (*)(const float*, float*, int64_t, int64_t)>(core::nra::gelu_tanh_and_mul);
       fn(c.at<float>("gate_up"), c.at<float>("out"), c.i("T"), c.i("F"));
     }
+  } else if (f == "whole_projection_norm") {
+    const int64_t T = c.i("T"), q = c.i("q_size"), kv = c.i("kv_size");
+    auto call = [&](auto* tag) {
+      using E = std::remove_pointer_t<decltype(tag)>;
+      core::nra::qk_sum_squares(c.at<E>("qkv"), c.at<float>("sums_out"), T, q, kv);
+      core::nra::WholeNormArgs<E> a{c.at<E>("qkv"), c.opt<float>("sums"), c.at<E>("q_w"), c.at<E>("k_w"),
+                                    c.at<E>("out"), T, q, kv, c.f("q_width"), c.f("k_width"), c.f("eps")};
+      core::nra::whole_projection_norm(a);
+    };
+    if (c.b("bf16")) call(static_cast<uint16_t*>(nullptr));
+    else call(static_cast<float*>(nullptr));
+  } else if (f == "moe_route") {
+    const int64_t T = c.i("T"), D = c.i("D"), E = c.i("E"), k = c.i("k");
+    if (c.b("bf16"))
+      core::route::route(c.at<uint16_t>("x"), c.at<float>("router"), T, D, E, k, c.b("renormalise"), c.at<float>("weights"),
+                         c.at<int64_t>("experts"));
+    else
+      core::route::route(c.at<float>("x"), c.at<float>("router"), T, D, E, k, c.b("renormalise"), c.at<float>("weights"),
+                         c.at<int64_t>("experts"));
   } else if (f == "argmax_rows") {
     if (c.b("bf16")) core::argmax::argmax_rows(c.at<uint16_t>("x"), c.at<int64_t>("out"), c.i("R"), c.i("V"));
     else core::argmax::argmax_rows(c.at<float>("x"), c.at<int64_t>("out"), c.i("R"), c.i("V"));
