@@ -196,11 +196,87 @@ inline void block_pairs16(const uint8_t* codes, const int8_t* x, int64_t K, __m2
 }
 #endif
 
+#if defined(__aarch64__) && defined(__ARM_FEATURE_MATMUL_INT8)
+// neon-i8mm: USMMLA (vusmmlaq_s32) multiplies a 2 × 8 matrix of unsigned bytes by the transpose
+// of a 2 × 8 one of signed bytes into 2 × 2 int32: 32 products an instruction where USDOT
+// takes 16. Its operands are two columns' 8 consecutive inputs and two rows' 8 inputs. The
+// layout above holds a column's inputs 4 at a time, 16 columns a vector, so one 32-bit zip of
+// vectors j and j + 1 gives two columns' 8 inputs 4j..4j+7 (4-bit: the nibble pairs, lows
+// inputs 4j.., highs 16 + 4j..), in registers, shared by every pair of rows: no second layout
+// of the weights. Whether llama.cpp's load-time interleave (its 4×8 repack) would pay more than
+// the zips is for an ARM machine to say. The sums are the exact integers of USDOT's path, so a
+// row's bits do not depend on the path its tile takes.
+
+// C[p] += the 2 × 2 products of column pair p (w[p]) and the rows' pair (xo), p = 0..7
+inline void mmla8(int32x4_t (&C)[8], const uint8x16_t (&w)[8], int8x16_t xo) {
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) C[p] = vusmmlaq_s32(C[p], w[p], xo);
+}
+
+// the 8 column pairs (2p, 2p + 1) of vectors j and j + 1: 8 consecutive inputs a column
+inline void zip_pairs(const uint8_t* codes, int j, uint8x16_t (&w)[8]) {
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    const uint32x4_t a = vreinterpretq_u32_u8(vld1q_u8(codes + j * 64 + 16 * q));
+    const uint32x4_t b = vreinterpretq_u32_u8(vld1q_u8(codes + (j + 1) * 64 + 16 * q));
+    w[2 * q] = vreinterpretq_u8_u32(vzip1q_u32(a, b));
+    w[2 * q + 1] = vreinterpretq_u8_u32(vzip2q_u32(a, b));
+  }
+}
+
+// rows 2i and 2i + 1's inputs at offset o, 8 each
+inline int8x16_t row_pair(const int8_t* x, int64_t K, int i, int64_t o) {
+  return vcombine_s8(vld1_s8(x + 2 * i * K + o), vld1_s8(x + (2 * i + 1) * K + o));
+}
+
+// block_sums by USMMLA for an even R: C[i][p] = [col 2p·row 2i, col 2p·row 2i+1, col 2p+1·row 2i,
+// col 2p+1·row 2i+1], unzipped at the end into S's rows of 8 columns
+template <int F, int R>
+inline void block_sums_mmla(const uint8_t* codes, const int8_t* x, int64_t K, __m256i (&S)[R][2]) {
+  static_assert(R % 2 == 0, "USMMLA takes rows in pairs");
+  constexpr int P = R / 2;
+  int32x4_t C[P][8];
+  for (int i = 0; i < P; ++i)
+    for (int p = 0; p < 8; ++p) C[i][p] = vdupq_n_s32(0);
+  if constexpr (Format<F>::kBits == 4) {
+    const uint8x16_t low4 = vdupq_n_u8(0x0f);
+#pragma GCC unroll 2
+    for (int j = 0; j < 4; j += 2) {
+      uint8x16_t z[8], lo[8], hi[8];
+      zip_pairs(codes, j, z);
+      for (int p = 0; p < 8; ++p) lo[p] = vandq_u8(z[p], low4), hi[p] = vshrq_n_u8(z[p], 4);
+#pragma GCC unroll 4
+      for (int i = 0; i < P; ++i) {
+        mmla8(C[i], lo, row_pair(x, K, i, 4 * j));
+        mmla8(C[i], hi, row_pair(x, K, i, 16 + 4 * j));
+      }
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+      uint8x16_t w[8];
+      zip_pairs(codes, j, w);
+#pragma GCC unroll 4
+      for (int i = 0; i < P; ++i) mmla8(C[i], w, row_pair(x, K, i, 4 * j));
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const int32x4_t* c = C[i] + 4 * h;  // pairs 4h..4h+3: columns 8h..8h+7
+      S[2 * i][h] = simd::neon_dot::join(vuzp1q_s32(c[0], c[1]), vuzp1q_s32(c[2], c[3]));
+      S[2 * i + 1][h] = simd::neon_dot::join(vuzp2q_s32(c[0], c[1]), vuzp2q_s32(c[2], c[3]));
+    }
+}
+#endif
+
 // The integer sums of one (group, block) for R rows: S[r][h] = Σ_k (c_k − kNatural)·q_k for
 // columns 8h..8h+7 of the group, exact. x: the block's first quantized input of row 0 (rows K apart).
 template <int F, int R>
 inline void block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i (&S)[R][2]) {
   [[maybe_unused]] constexpr int A = R <= 2 ? 2 : 1;  // independent chains per sum where rows are few (VNNI latency)
+#if defined(__aarch64__) && defined(__ARM_FEATURE_MATMUL_INT8)
+  if constexpr (R % 2 == 0) return block_sums_mmla<F, R>(codes, x, K, S);
+#endif
   if constexpr (Format<F>::kBits == 4) {
 #if KVSERVE_VNNI_DOT
     __m256i acc[A][R][2];
