@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from kvserve.kernels.build import build_for
+from kvserve.kernels.build import OPENMP_LINK, build_for
 from kvserve.kernels.isa import bf16_pair_dots, chosen_level, cpu_flags, cpu_has  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _load(level: str | None):
             name=name,
             sources=[str(p) for p in build.compile_units(build_dir)],
             extra_cflags=build.ninja_cflags,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=list(OPENMP_LINK),
             build_directory=str(build_dir),
             verbose=False,
         )

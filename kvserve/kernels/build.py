@@ -26,13 +26,40 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 HERE = Path(__file__).parent
 
 _GLUE = ("bindings.cpp", "linear.cpp", "fused_decode.cpp", "shared_prefix_decode.cpp", "moe_token.cpp", "families.cpp",
          "checks.cpp")
-_COMMON_FLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
+
+
+def openmp_flags(platform: str = sys.platform, torch_dir: Path | None = None,
+                 environ: Mapping[str, str] = os.environ) -> tuple[tuple[str, ...], tuple[str, ...]]:  # fmt: skip
+    """(compile, link) flags for OpenMP. GCC and LLVM's clang take -fopenmp. Apple's clang (the
+    `c++` of macOS) refuses it and takes `-Xclang -fopenmp`, with libomp's header and library
+    from elsewhere: the library is torch's own (`torch/lib/libomp.dylib` in its macOS wheels), so
+    the process holds one OpenMP runtime, not torch's and a second one; the header is
+    `torch/include/omp.h` where the wheel ships it, else Homebrew's libomp (`brew install
+    libomp`). Written from those wheels' layout and Apple clang's options, not yet tried on a Mac."""
+    if platform != "darwin":
+        return ("-fopenmp",), ("-fopenmp",)
+    if torch_dir is None:
+        import torch
+
+        torch_dir = Path(torch.__file__).parent
+    include = torch_dir / "include"
+    if not (include / "omp.h").exists():
+        include = Path(environ.get("HOMEBREW_PREFIX", "/opt/homebrew")) / "opt" / "libomp" / "include"
+    lib = torch_dir / "lib"
+    return ("-Xclang", "-fopenmp", f"-I{include}"), (f"-L{lib}", "-lomp", f"-Wl,-rpath,{lib}")
+
+
+_OPENMP_COMPILE, OPENMP_LINK = openmp_flags()
+_COMMON_FLAGS = ("-O3", *_OPENMP_COMPILE, "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,22 @@ def test_macos_sysctls_name_the_same_levels(sysctls, native, monkeypatch):
     assert isa.native_level(flags) == native
 
 
+def test_openmp_flags_for_gcc_and_for_apple_clang(tmp_path):
+    """Linux: -fopenmp. macOS: Apple clang's -Xclang -fopenmp, torch's own libomp (one OpenMP
+    runtime in the process), its omp.h where the wheel ships it, else Homebrew's."""
+    from kvserve.kernels.build import openmp_flags
+
+    assert openmp_flags("linux") == (("-fopenmp",), ("-fopenmp",))
+    torch_dir = tmp_path / "torch"
+    (torch_dir / "include").mkdir(parents=True)
+    compile_flags, link = openmp_flags("darwin", torch_dir, {"HOMEBREW_PREFIX": "/usr/local"})
+    assert compile_flags == ("-Xclang", "-fopenmp", "-I/usr/local/opt/libomp/include")
+    assert link == (f"-L{torch_dir}/lib", "-lomp", f"-Wl,-rpath,{torch_dir}/lib")
+    (torch_dir / "include" / "omp.h").write_text("")
+    assert openmp_flags("darwin", torch_dir, {})[0] == ("-Xclang", "-fopenmp", f"-I{torch_dir}/include")
+    assert openmp_flags("darwin", tmp_path / "other", {})[0][-1] == "-I/opt/homebrew/opt/libomp/include"
+
+
 def test_a_level_of_the_other_architecture_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
     with pytest.raises(ConfigError, match=r"'neon-dotprod' needs instructions this CPU does not have: it is x86_64, not aarch64"):
