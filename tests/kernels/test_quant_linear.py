@@ -9,7 +9,6 @@ batch-invariance rule: a row's bits never depend on the rows beside it.
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
