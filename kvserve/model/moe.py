@@ -97,7 +97,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, experts [T, k]) of each token: softmax over all experts in fp32, the top k.
         On the kernel, as moe_token and the fused step route (kernels/core/moe_route.h)."""
-        if self.route_ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+        if self.route_ops is not None:  # on only for bf16 and fp32 models (KernelSupport.decide)
             return self.route_ops.moe_route(x.contiguous(), self.router, self.top_k, self.norm_topk_prob)
         probs = torch.nn.functional.linear(x.float(), self.router).softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)

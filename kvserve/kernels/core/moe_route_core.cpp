@@ -40,14 +40,14 @@ float dot(const float* x, const float* r, int64_t D) {
   return simd::hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
-// one token's softmax over its E logits and top k (see the header)
-void choose(const float* logits, int64_t E, int64_t k, bool renormalise, float* weights, int64_t* experts) {
+// one token's softmax over its E logits and top k (see the header); p and order: E each, the
+// call's scratch
+void choose(const float* logits, int64_t E, int64_t k, bool renormalise, float* weights, int64_t* experts,
+            std::vector<float>& p, std::vector<int64_t>& order) {
   const float mx = *std::max_element(logits, logits + E);
-  std::vector<float> p(static_cast<size_t>(E));
   float sum = 0.f;
   for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(logits[e] - mx);
   for (int64_t e = 0; e < E; ++e) p[e] /= sum;
-  std::vector<int64_t> order(static_cast<size_t>(E));
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + k, order.end(),
                     [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
@@ -75,7 +75,10 @@ void route_impl(const X* x, const float* router, int64_t T, int64_t D, int64_t E
     const int64_t t = item / E, e = item % E;
     logits[item] = dot(xf.data() + t * D, router + e * D, D);
   }
-  for (int64_t t = 0; t < T; ++t) choose(logits.data() + t * E, E, k, renormalise, weights + t * k, experts + t * k);
+  std::vector<float> p(static_cast<size_t>(E));
+  std::vector<int64_t> order(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t)
+    choose(logits.data() + t * E, E, k, renormalise, weights + t * k, experts + t * k, p, order);
 }
 
 }  // namespace
