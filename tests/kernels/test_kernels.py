@@ -357,6 +357,28 @@ def test_gemm_vnni_matches_the_gemv_row_for_row_in_full_tiles():
     torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_gemv_lanes_give_every_column_the_many_row_paths_bits(threads):
+    """The decode GEMV takes the blocks of a tile from lanes of a thread's share (each lane one
+    long stream) and the blocks past whole lanes in neighbouring groups: whichever a column
+    block falls in, at any thread count, its outputs are the bits the many-row path gives the
+    same row (one summation order per output, k in order)."""
+    g = torch.Generator().manual_seed(3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        # block counts below one lane per thread, at whole lanes, and with leftovers of each size
+        for nb in (3, 7, 8, 9, 16, 17, 19, 63, 108):
+            w = (torch.randn(16 * nb, 96, generator=g) * 2.0 ** torch.randint(-8, 9, (16 * nb, 96), generator=g)).bfloat16()
+            packed = ops.amx_pack_weight(w)
+            x = (torch.randn(64, 96, generator=g) * 2.0 ** torch.randint(-8, 9, (64, 96), generator=g)).bfloat16()
+            many = ops.gemm_vnni(x, packed)  # 64 rows: the widened panels (or the pair tiles' chunks)
+            for rows in range(1, 9):
+                assert torch.equal(ops.gemv_vnni(x[:rows], packed), many[:rows]), (nb, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_linear_without_amx_gives_a_row_the_same_bits_at_every_row_count():
     """Batch invariance of the bf16 path without AMX: the GEMV (1-8 rows, several column
     blocks in flight at 1-2 rows) and the 8x32 tiles sum every output in one order, so a row

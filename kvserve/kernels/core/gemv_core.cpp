@@ -17,7 +17,8 @@
 //
 //   1..kDirectRows rows (decode): one pass over the weight, each tile read once from memory
 //     for all rows; with few rows, several column blocks are in flight at once (B) so that
-//     at least 8 independent accumulators hide the FMA latency.
+//     at least 8 independent accumulators hide the FMA latency, taken from B lanes of the
+//     thread's blocks so that each is one long stream (decode_blocks).
 //   up to kSplitRows rows: the same tiles on groups of <= kDirectRows rows, the depth in
 //     chunks of 8 KiB of weights per column block, which the first group reads from memory
 //     and the others from L1 (partial sums parked between chunks).
@@ -106,20 +107,48 @@ inline void thread_range(int64_t n, int64_t& b, int64_t& e) {
   e = n * (t + 1) / T;
 }
 
-// Decode-sized calls (one pass over the weight, bound by its stream): column blocks [0, NB)
-// handed out by stealing (parallel.h), as quant_linear does, so a core the host slows does not
-// hold the other at each projection's end. Measured at avx2 (bf16 default model, decode): the
-// worker's libgomp wait 16.6% -> 13.4% of samples, the step time the same within noise; most
-// of that wait is the main thread's serial part of the step, not imbalance. Chunks of 4 blocks at least, so the tiles keep their width. A block's values never depend
-// on the thread or chunk that computes it.
-template <typename Range>
-void decode_blocks(int64_t NB, bool parallel, const Range& range_fn) {
+// the block group at nb: as many of `blocks` as are left before nb1 (4, then 2, then 1)
+inline int group_blocks(int blocks, int64_t nb, int64_t nb1) {
+  while (blocks > 1 && nb + blocks > nb1) blocks /= 2;
+  return blocks;
+}
+
+// Decode-sized calls (one pass over the weight, bound by its stream). A decode tile reads B
+// column blocks at once (B = the tile's blocks in flight), each block a stream of its own. Were
+// they B neighbouring blocks, every stream would end after one block (K·32 bytes: 18 KiB for
+// K = 576) and the next tile's B would start cold: the hardware prefetcher retrains at each, and
+// over a decode step's ~120 small projections that cost a core a fifth of its stream (one
+// thread, the default model's shapes, Zen 4 at avx2: 18.5-20.2 GB/s against 23.4-25.9 for
+// 4096 × 4096 matrices). So each thread's share of the blocks is cut into B lanes, and step i
+// of its tiles takes block i of each lane: B streams that run the whole lane, block after
+// adjacent block (the same shapes, one thread: 21.4-22.3 GB/s; two threads, where the host's
+// bandwidth allows more than the cores pull: 29.1-31.3 -> 41.2 GB/s; a decode step of the bf16
+// default model, time before / after over 8 alternating pairs: 0.93-1.25, median 1.05). Steps
+// are handed out by stealing (parallel.h), as quant_linear does, so a core the host slows does
+// not hold the other at each projection's end (a thief takes the back steps of the victim's
+// lanes); the blocks left over past whole lanes (fewer than B a thread) follow,
+// in adjacent groups, stolen the same way. A block's values never depend on the tile, lane,
+// thread or chunk that computes it.
+//   tile(nb, stride, count): `count` blocks nb, nb + stride, ..., of one tile
+template <typename Tile>
+void decode_blocks(int64_t NB, int B, bool parallel, const Tile& tile) {
   const int threads = parallel ? omp_get_max_threads() : 1;
-  StealingRange range(NB, threads, std::max<int64_t>(4, NB / (16 * threads) / 4 * 4));
+  const int64_t L = B > 1 ? NB / (int64_t(B) * threads) : 0;  // steps per lane
+  const int64_t in_lanes = L * B * threads;
+  StealingRange steps(L * threads, threads, std::max<int64_t>(1, L / 16));
+  StealingRange rest(NB - in_lanes, threads, std::max<int64_t>(4, (NB - in_lanes) / (16 * threads) / 4 * 4));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    const int t = omp_get_thread_num();
     int64_t b, e;
-    while (range.next(omp_get_thread_num(), b, e)) range_fn(b, e);
+    while (steps.next(t, b, e))
+      for (int64_t s = b; s < e; ++s) tile((s / L) * B * L + s % L, L, B);
+    while (rest.next(t, b, e))
+      for (int64_t nb = in_lanes + b; nb < in_lanes + e;) {
+        const int g = group_blocks(B, nb, in_lanes + e);
+        tile(nb, 1, g);
+        nb += g;
+      }
   }
 }
 
@@ -141,7 +170,7 @@ inline __m256 odd_half(__m256i v, __m256i hi) { return _mm256_castsi256_ps(_mm25
 // each pair, FMA of the even input then of the odd one.
 template <int R, int B>
 __attribute__((noinline)) void vnni_tile(const float* x, int64_t K, const uint16_t* w, int64_t bs, int64_t kb0,
-                                         int64_t kb1, float* acc, bool resume, uint16_t* y, int64_t N) {
+                                         int64_t kb1, float* acc, bool resume, uint16_t* y, int64_t N, int64_t ys) {
   constexpr int U = 2 * B;  // 8-column vectors per row
   // broadcasts held for the whole pair when they fit beside the accumulators; otherwise the
   // pair's widened weights are held and x is broadcast row by row (the same FMAs either way)
@@ -197,62 +226,53 @@ __attribute__((noinline)) void vnni_tile(const float* x, int64_t K, const uint16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) {
-      if (y) simd::store8(y + r * N + u * 8, a[r][u]);
+      if (y) simd::store8(y + r * N + (u / 2) * ys + (u % 2) * 8, a[r][u]);
       else if (acc) simd::store8(acc + r * 16 * B + u * 8, a[r][u]);
     }
 }
 
-// only the shapes direct_range uses are compiled: B up to direct_blocks(R)
+// only the shapes direct_tile and split_range use are compiled: B up to direct_blocks(R)
 template <int R, int B>
 void vnni_shape(const float* x, int64_t K, const uint16_t* w, int64_t bs, int64_t kb0, int64_t kb1, float* acc,
-                bool resume, uint16_t* y, int64_t N) {
-  if constexpr (B <= direct_blocks(R)) vnni_tile<R, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N);
+                bool resume, uint16_t* y, int64_t N, int64_t ys) {
+  if constexpr (B <= direct_blocks(R)) vnni_tile<R, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys);
 }
 
 template <int B>
 void vnni_rows(int rows, const float* x, int64_t K, const uint16_t* w, int64_t bs, int64_t kb0, int64_t kb1,
-               float* acc, bool resume, uint16_t* y, int64_t N) {
+               float* acc, bool resume, uint16_t* y, int64_t N, int64_t ys) {
   switch (rows) {
-    case 1: vnni_shape<1, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    case 2: vnni_shape<2, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    case 3: vnni_shape<3, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    case 4: vnni_shape<4, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
+    case 1: vnni_shape<1, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    case 2: vnni_shape<2, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    case 3: vnni_shape<3, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    case 4: vnni_shape<4, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
 #if defined(__AVX512VL__)
-    case 5: vnni_shape<5, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    case 6: vnni_shape<6, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    case 7: vnni_shape<7, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    case 8: vnni_shape<8, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
+    case 5: vnni_shape<5, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    case 6: vnni_shape<6, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    case 7: vnni_shape<7, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    case 8: vnni_shape<8, B>(x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
 #endif
     default: break;  // never: rows <= kDirectRows
   }
 }
 
-// one tile of `rows` rows × `blocks` (1, 2 or 4) column blocks
+// one tile of `rows` rows × `blocks` (1, 2 or 4) column blocks, bs elements (of w) and ys
+// columns (of y) apart
 inline void vnni_call(int rows, int blocks, const float* x, int64_t K, const uint16_t* w, int64_t bs, int64_t kb0,
-                      int64_t kb1, float* acc, bool resume, uint16_t* y, int64_t N) {
+                      int64_t kb1, float* acc, bool resume, uint16_t* y, int64_t N, int64_t ys = kTileN) {
   switch (blocks) {
-    case 4: vnni_rows<4>(rows, x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    case 2: vnni_rows<2>(rows, x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
-    default: vnni_rows<1>(rows, x, K, w, bs, kb0, kb1, acc, resume, y, N); break;
+    case 4: vnni_rows<4>(rows, x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    case 2: vnni_rows<2>(rows, x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
+    default: vnni_rows<1>(rows, x, K, w, bs, kb0, kb1, acc, resume, y, N, ys); break;
   }
 }
 
-// the block group at nb: as many of `blocks` as are left before nb1 (4, then 2, then 1)
-inline int group_blocks(int blocks, int64_t nb, int64_t nb1) {
-  while (blocks > 1 && nb + blocks > nb1) blocks /= 2;
-  return blocks;
-}
-
-// rows <= kDirectRows of xf against column blocks [nb0, nb1): every tile read once
-void direct_range(const float* xf, int rows, const uint16_t* wp, uint16_t* y, int64_t K, int64_t N, int64_t nb0,
-                  int64_t nb1) {
+// rows <= kDirectRows of xf against `count` column blocks nb, nb + stride, ... (one tile, every
+// weight tile read once)
+void direct_tile(const float* xf, int rows, const uint16_t* wp, uint16_t* y, int64_t K, int64_t N, int64_t nb,
+                 int64_t stride, int count) {
   const int64_t KB = K / kTileK, bs = KB * kTileElems;
-  const int B = direct_blocks(rows);
-  for (int64_t nb = nb0; nb < nb1;) {
-    const int b = group_blocks(B, nb, nb1);
-    vnni_call(rows, b, xf, K, wp + nb * bs, bs, 0, KB, nullptr, false, y + nb * kTileN, N);
-    nb += b;
-  }
+  vnni_call(rows, count, xf, K, wp + nb * bs, stride * bs, 0, KB, nullptr, false, y + nb * kTileN, N, stride * kTileN);
 }
 
 // more than kDirectRows rows (up to kSplitRows) of xf against column blocks [nb0, nb1): row
@@ -418,10 +438,10 @@ void panel_range(const float* xp, const RowGroups& groups, const uint16_t* wp, u
 
 // R rows of x (bf16, row stride K) × U 8-column vectors (column block u / 2, half u % 2; w:
 // the first block's tiles, block stride bs) over every depth tile, into y (row stride N, at
-// the first block's first column)
+// the first block's first column, the blocks ys columns apart)
 template <int R, int U>
 __attribute__((noinline)) void pair_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t bs, uint16_t* y,
-                                         int64_t N) {
+                                         int64_t N, int64_t ys) {
   __m256 a[R][U];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -447,7 +467,7 @@ __attribute__((noinline)) void pair_tile(const uint16_t* x, int64_t K, const uin
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) simd::store8(y + r * N + u * 8, a[r][u]);
+    for (int u = 0; u < U; ++u) simd::store8(y + r * N + (u / 2) * ys + (u % 2) * 8, a[r][u]);
 }
 
 // vectors per tile for R rows: enough sums in flight to hide VDPBF16PS's latency where the
@@ -456,34 +476,41 @@ constexpr int pair_vectors(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : ro
 constexpr int kPairRows = 6;  // rows per tile past the decode sizes: 6 × 32 columns
 
 template <int U>
-void pair_rows(int rows, const uint16_t* x, int64_t K, const uint16_t* w, int64_t bs, uint16_t* y, int64_t N) {
+void pair_rows(int rows, const uint16_t* x, int64_t K, const uint16_t* w, int64_t bs, uint16_t* y, int64_t N,
+               int64_t ys) {
   switch (rows) {
-    case 1: if constexpr (U <= pair_vectors(1)) pair_tile<1, U>(x, K, w, bs, y, N); break;
-    case 2: if constexpr (U <= pair_vectors(2)) pair_tile<2, U>(x, K, w, bs, y, N); break;
-    case 3: if constexpr (U <= pair_vectors(3)) pair_tile<3, U>(x, K, w, bs, y, N); break;
-    case 4: if constexpr (U <= pair_vectors(4)) pair_tile<4, U>(x, K, w, bs, y, N); break;
-    case 5: if constexpr (U <= pair_vectors(5)) pair_tile<5, U>(x, K, w, bs, y, N); break;
-    case 6: if constexpr (U <= pair_vectors(6)) pair_tile<6, U>(x, K, w, bs, y, N); break;
-    case 7: if constexpr (U <= pair_vectors(7)) pair_tile<7, U>(x, K, w, bs, y, N); break;
-    case 8: if constexpr (U <= pair_vectors(8)) pair_tile<8, U>(x, K, w, bs, y, N); break;
+    case 1: if constexpr (U <= pair_vectors(1)) pair_tile<1, U>(x, K, w, bs, y, N, ys); break;
+    case 2: if constexpr (U <= pair_vectors(2)) pair_tile<2, U>(x, K, w, bs, y, N, ys); break;
+    case 3: if constexpr (U <= pair_vectors(3)) pair_tile<3, U>(x, K, w, bs, y, N, ys); break;
+    case 4: if constexpr (U <= pair_vectors(4)) pair_tile<4, U>(x, K, w, bs, y, N, ys); break;
+    case 5: if constexpr (U <= pair_vectors(5)) pair_tile<5, U>(x, K, w, bs, y, N, ys); break;
+    case 6: if constexpr (U <= pair_vectors(6)) pair_tile<6, U>(x, K, w, bs, y, N, ys); break;
+    case 7: if constexpr (U <= pair_vectors(7)) pair_tile<7, U>(x, K, w, bs, y, N, ys); break;
+    case 8: if constexpr (U <= pair_vectors(8)) pair_tile<8, U>(x, K, w, bs, y, N, ys); break;
     default: break;  // never: rows <= 8
   }
 }
 
-// `rows` (1..8) rows against column blocks [nb0, nb1), up to pair_vectors(rows) / 2 blocks a tile
+// `rows` (1..8) rows against `count` (1, 2 or 4) column blocks nb, nb + stride, ... (one tile)
+void pair_blocks(const uint16_t* x, int rows, const uint16_t* wp, uint16_t* y, int64_t K, int64_t N, int64_t nb,
+                 int64_t stride, int count) {
+  const int64_t bs = (K / kTileK) * kTileElems;
+  const uint16_t* w = wp + nb * bs;
+  uint16_t* yb = y + nb * kTileN;
+  switch (count) {
+    case 4: pair_rows<8>(rows, x, K, w, stride * bs, yb, N, stride * kTileN); break;
+    case 2: pair_rows<4>(rows, x, K, w, stride * bs, yb, N, stride * kTileN); break;
+    default: pair_rows<2>(rows, x, K, w, stride * bs, yb, N, stride * kTileN); break;
+  }
+}
+
+// `rows` (1..8) rows against column blocks [nb0, nb1), up to pair_vectors(rows) / 2 neighbouring
+// blocks a tile
 void pair_range(const uint16_t* x, int rows, const uint16_t* wp, uint16_t* y, int64_t K, int64_t N, int64_t nb0,
                 int64_t nb1) {
-  const int64_t bs = (K / kTileK) * kTileElems;
-  const int B = pair_vectors(rows) / 2;
   for (int64_t nb = nb0; nb < nb1;) {
-    const int b = group_blocks(B, nb, nb1);
-    const uint16_t* w = wp + nb * bs;
-    uint16_t* yb = y + nb * kTileN;
-    switch (b) {
-      case 4: pair_rows<8>(rows, x, K, w, bs, yb, N); break;
-      case 2: pair_rows<4>(rows, x, K, w, bs, yb, N); break;
-      default: pair_rows<2>(rows, x, K, w, bs, yb, N); break;
-    }
+    const int b = group_blocks(pair_vectors(rows) / 2, nb, nb1);
+    pair_blocks(x, rows, wp, y, K, N, nb, 1, b);
     nb += b;
   }
 }
@@ -495,7 +522,10 @@ void pair_range(const uint16_t* x, int rows, const uint16_t* wp, uint16_t* y, in
 void pair_gemm(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, int64_t K, int64_t N, bool parallel) {
   const int64_t NB = N / kTileN;
   if (M <= kPairRows) {
-    decode_blocks(NB, parallel, [&](int64_t nb0, int64_t nb1) { pair_range(x, static_cast<int>(M), wp, y, K, N, nb0, nb1); });
+    const int rows = static_cast<int>(M);
+    decode_blocks(NB, pair_vectors(rows) / 2, parallel, [&](int64_t nb, int64_t stride, int count) {
+      pair_blocks(x, rows, wp, y, K, N, nb, stride, count);
+    });
     return;
   }
 #pragma omp parallel if (parallel)
@@ -529,7 +559,9 @@ void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, i
   if (M <= kDirectRows) {
     float* xf = scratch(xbuf, static_cast<size_t>(M * K));
     widen_rows(x, xf, K, 0, M);
-    decode_blocks(NB, parallel, [&](int64_t nb0, int64_t nb1) { direct_range(xf, static_cast<int>(M), wp, y, K, N, nb0, nb1); });
+    decode_blocks(NB, direct_blocks(static_cast<int>(M)), parallel, [&](int64_t nb, int64_t stride, int count) {
+      direct_tile(xf, static_cast<int>(M), wp, y, K, N, nb, stride, count);
+    });
     return;
   }
   if (M <= kSplitRows) {
