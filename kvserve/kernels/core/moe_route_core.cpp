@@ -63,17 +63,22 @@ template <typename X>
 void route_impl(const X* x, const float* router, int64_t T, int64_t D, int64_t E, int64_t k, bool renormalise,
                 float* weights, int64_t* experts) {
   if (T <= 0) return;
-  std::vector<float> xf(static_cast<size_t>(T * D));
-  for (int64_t i = 0; i < T * D; ++i) {
-    if constexpr (sizeof(X) == 2) xf[i] = simd::bf16_to_f32(x[i]);
-    else xf[i] = x[i];
+  // bf16 tokens widened once (exactly); fp32 ones read in place
+  std::vector<float> widened;
+  const float* xf;
+  if constexpr (sizeof(X) == 2) {
+    widened.resize(static_cast<size_t>(T * D));
+    for (int64_t i = 0; i < T * D; ++i) widened[i] = simd::bf16_to_f32(x[i]);
+    xf = widened.data();
+  } else {
+    xf = x;
   }
   std::vector<float> logits(static_cast<size_t>(T * E));
   const int64_t items = T * E;
 #pragma omp parallel for schedule(static) if (items > 1 && items * D >= (int64_t{1} << 16))
   for (int64_t item = 0; item < items; ++item) {
     const int64_t t = item / E, e = item % E;
-    logits[item] = dot(xf.data() + t * D, router + e * D, D);
+    logits[item] = dot(xf + t * D, router + e * D, D);
   }
   std::vector<float> p(static_cast<size_t>(E));
   std::vector<int64_t> order(static_cast<size_t>(E));
