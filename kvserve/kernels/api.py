@@ -393,6 +393,10 @@ class CpuOps(Protocol):
     def amx_pack_weight(self, w: torch.Tensor, /) -> torch.Tensor:
         """[N, K] bf16 weight -> VNNI tiles [N/16, K/32, 16, 32] for the AMX kernels and gemv_vnni."""
 
+    def bf16_tile_rows(self, tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [T]) of the weight amx_pack_weight packed -> [T, K] bf16: an embedding
+        lookup with no row-major copy (layouts.bf16_tile_rows in one call, the same bits)."""
+
     def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ w.T (+ bias) on AMX tiles."""
 

@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the kernel families this build runs, each with the level its code is compiled at");
   m.def("amx_available", &amx_available, "AMX-BF16 present and granted to this process");
   m.def("amx_pack_weight", &amx_pack_weight, "[N, K] bf16 weight -> AMX VNNI tiles");
+  m.def("bf16_tile_rows", &bf16_tile_rows, "rows ids of the weight amx_pack_weight packed -> [T, K] bf16",
+        py::arg("tiles"), py::arg("ids"));
   m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
         "silu(x @ gate.T) * (x @ up.T) on AMX tiles, gate/up packed with their 16-column blocks interleaved");
   m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) on AMX tiles", py::arg("x"), py::arg("packed"),

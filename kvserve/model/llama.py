@@ -312,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
                     if isinstance(lin, Linear):
                         lin.process_weights_after_loading()
                 release_free_memory()  # the float copies just replaced, given back before the next layer
+        # the sparse layers, listed once: every fused decode step counts their experts
+        self._sparse_layers = tuple(layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE))
         self.norm = _norm(arch, weights, "model.norm.weight", kernels.op("rms_norm"))
         self.lm_head = Linear(embed if arch.tie_word_embeddings else weights.pop("lm_head.weight"), None, kernels, argmax=True)
         # the embedding table is a Linear too, read row by row from whatever layout it is held
@@ -448,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
 
     def sparse_layers(self) -> list[SparseMoE]:
         """The routed-expert FFNs of a mixture of experts' sparse layers (none for a dense model)."""
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        return list(self._sparse_layers)
 
     def describe_projections(self) -> str:
         """Each projection kind's format, kernels and compute format, and the weights' bytes."""

@@ -57,6 +57,25 @@ def test_gemv_on_vnni_tiles_refuses_a_feature_count_off_its_weight():
         ops.gemv_vnni(torch.randn(1, 96).bfloat16(), packed)
 
 
+@pytest.mark.parametrize("rows, features", [(48, 64), (96, 576), (16, 32)])
+def test_rows_read_from_the_vnni_tiles_are_the_weights_rows(rows, features):
+    """The embedding lookup on a tied LM head's tiles: ops.bf16_tile_rows is layouts.bf16_tile_rows
+    in one call, every bit, for any ids (repeats, both ends, an empty batch)."""
+    from kvserve.kernels import layouts
+
+    torch.manual_seed(rows)
+    w = torch.randn(rows, features).bfloat16()
+    tiles = ops.amx_pack_weight(w)
+    for ids in ([0], [rows - 1], [rows - 1, 0, 17 % rows, 17 % rows, 15, 16 % rows], []):
+        ids = torch.tensor(ids, dtype=torch.long)
+        got = ops.bf16_tile_rows(tiles, ids)
+        assert got.shape == (len(ids), features) and torch.equal(got, w[ids])
+        assert torch.equal(got, layouts.bf16_tile_rows(tiles, ids))
+    for bad in ([rows], [-1]):
+        with pytest.raises(RuntimeError, match="outside the weight's"):
+            ops.bf16_tile_rows(tiles, torch.tensor(bad))
+
+
 def _decode_case(dtype, batch, num_heads, num_kv_heads, head_dim, lens, block_size=16, num_blocks=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)

@@ -87,6 +87,34 @@ at::Tensor gemm_vnni(at::Tensor x, at::Tensor packed) {
   return run_tiles(x, packed);
 }
 
+// Rows `ids` of the weight held as VNNI tiles [N/16, K/32, 16, 32] -> [T, K]: an embedding
+// lookup with no row-major copy kept. One call instead of layouts.bf16_tile_rows' five torch
+// ops (a batch-1 decode step's embedding took ~1% of the step through them); the same bits.
+at::Tensor bf16_tile_rows(const at::Tensor& tiles, const at::Tensor& ids) {
+  TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.dim() == 4 && tiles.size(2) == kWeightTileK / 2 &&
+                  tiles.size(3) == 2 * kWeightTileRows && tiles.is_contiguous(),
+              "bf16_tile_rows: tiles must come from amx_pack_weight");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "bf16_tile_rows: ids must be int64 [T]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t T = idc.size(0), G = tiles.size(0), KB = tiles.size(1), N = G * kWeightTileRows;
+  const int64_t K = KB * kWeightTileK;
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < N, "bf16_tile_rows: row ", id[t], " outside the weight's ", N, " rows");
+  at::Tensor out = at::empty({T, K}, tiles.options());
+  // a tile row kp holds each of the 16 rows' pair (k = 32kb + 2kp, k + 1): one 4-byte word per pair
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(tiles.data_ptr<at::BFloat16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
+  constexpr int64_t kPairs = kWeightTileK / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t g = id[t] / kWeightTileRows, r = id[t] % kWeightTileRows;
+    const uint32_t* row = src + g * KB * kPairs * kWeightTileRows + r;
+    uint32_t* o = dst + t * (K / 2);
+    for (int64_t p = 0; p < KB * kPairs; ++p) o[p] = row[p * kWeightTileRows];
+  }
+  return out;
+}
+
 // w [N, K] bf16 → VNNI tiles [N/16, K/32, 16, 32]: tile (nb, kb) row kp holds, for each of the
 // 16 columns n, the pair (w[16nb + n][32kb + 2kp], w[16nb + n][32kb + 2kp + 1])
 at::Tensor amx_pack_weight(at::Tensor w) {

@@ -85,7 +85,7 @@ class CpuBf16LinearMethod(LinearMethod):
     def embedding_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if layer.weight is not None:
             return super().embedding_rows(layer, ids)
-        return layouts.bf16_tile_rows(layer.kernel.gemv, ids)  # no row-major copy kept for lookups
+        return self.ops.bf16_tile_rows(layer.kernel.gemv, ids)  # no row-major copy kept for lookups
 
     def batch_invariant(self, layer) -> bool:
         # the GEMV and gemm_vnni's tiles sum each output in one order (kernels/gemv.cpp);
