@@ -33,7 +33,8 @@
 //     (rows × its inputs) stays in L2 while the run's column blocks pass over it. The same
 //     FMA per (row, column, k), in the same k order, as the one-pass tiles.
 // Threads take contiguous ranges of column blocks (each streams its part of the weight in
-// the order it is stored).
+// the order it is stored); in the decode and panel paths a thread done with its range takes
+// the back of another's (parallel.h).
 //
 // On the row-major weight (gemv_rowmajor: gemv_bf16). One 256-bit load is 16 consecutive
 // inputs of one weight row; shifted/masked as above it is the even and the odd inputs of
@@ -48,6 +49,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "parallel.h"
@@ -389,8 +391,9 @@ void pack_group(const uint16_t* x, float* xp, int64_t K, const RowGroups& groups
   }
 }
 
-// rows of packed x (xp, groups) against this thread's column blocks [nb0, nb1); y at the
-// chunk's first row; acc: rows × 16·kMacroBlocks fp32, panel: kPanelBytes
+// rows of packed x (xp, groups) against column blocks [nb0, nb1) (one run or more of up to
+// kMacroBlocks); y at the chunk's first row; acc: rows × 16·min(kMacroBlocks, nb1 - nb0) fp32,
+// panel: kPanelBytes
 void panel_range(const float* xp, const RowGroups& groups, const uint16_t* wp, uint16_t* y, int64_t K, int64_t N,
                  int64_t nb0, int64_t nb1, float* acc, float* panel) {
   const int64_t KB = K / kTileK, bs = KB * kTileElems;
@@ -578,18 +581,29 @@ void gemm_tiles(const uint16_t* x, const uint16_t* wp, uint16_t* y, int64_t M, i
   }
   const int64_t chunk = std::min(M, kPanelRowChunk);
   float* xp = scratch(xbuf, static_cast<size_t>(chunk * K));
-#pragma omp parallel if (parallel)
+  // Per row chunk, each thread's run of column blocks is taken a run of up to kMacroBlocks at a
+  // time from its front, and a thread done with its own takes runs from the back of the other's
+  // (parallel.h): with a static split, the faster core waited at each chunk's barrier for the
+  // slower (a 512-token prefill of the bf16 default model at avx2 on Zen 4: 10% of both
+  // threads' samples in libgomp's team barrier; stolen: 3%, and such prefills, alternated in
+  // one process, 783 -> 717 ms and 736 -> 725 ms in two sittings). Runs smaller than
+  // kMacroBlocks where the blocks are few, so that a thief has something to take.
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  const int64_t run = std::clamp<int64_t>(NB / (4 * threads), 1, kMacroBlocks);
+  std::vector<std::unique_ptr<StealingRange>> runs;
+  for (int64_t r0 = 0; r0 < M; r0 += chunk) runs.emplace_back(new StealingRange(NB, threads, run));
+#pragma omp parallel num_threads(threads) if (parallel)
   {
-    int64_t nb0, nb1;
-    thread_range(NB, nb0, nb1);
-    std::vector<float> acc(static_cast<size_t>(chunk * kTileN * std::min(kMacroBlocks, nb1 - nb0)));
+    const int t = omp_get_thread_num();
+    std::vector<float> acc(static_cast<size_t>(chunk * kTileN * run));
     alignas(64) float panel[kPanelBytes / sizeof(float)];
-    for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+    for (int64_t r0 = 0, c = 0; r0 < M; r0 += chunk, ++c) {
       const RowGroups groups(std::min(chunk, M - r0));
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < groups.count; ++g) pack_group(x + r0 * K, xp, K, groups, g);
       // (the loop's barrier: every row packed before any thread reads them)
-      panel_range(xp, groups, wp, y + r0 * N, K, N, nb0, nb1, acc.data(), panel);
+      int64_t nb0, nb1;
+      while (runs[c]->next(t, nb0, nb1)) panel_range(xp, groups, wp, y + r0 * N, K, N, nb0, nb1, acc.data(), panel);
 #pragma omp barrier
     }
   }
