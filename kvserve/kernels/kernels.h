@@ -143,9 +143,6 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
                                   at::Tensor block_tables, at::Tensor context_lens, double scale,
                                   c10::optional<at::Tensor> k_scale = c10::nullopt,
                                   c10::optional<at::Tensor> v_scale = c10::nullopt, double softcap = 0);
-// Whether paged_decode_attention over these context lengths (int32 [B], every position of
-// each) runs on the calling thread alone (too little work for a second thread).
-bool paged_decode_attention_one_thread(const at::Tensor& context_lens, int64_t num_kv_heads);
 // Row b over its positions [start_positions[b], context_lens[b]) only (the suffix after a shared
 // prefix; start_positions int32 [B]): (out [B, N_q, H] fp32 normalised, lse [B, N_q] fp32 =
 // max + log Σ exp(scale·q·k)); an empty range gives out 0 and lse -inf. bf16, fp32 or int8 pools

@@ -59,6 +59,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "parallel.h"
@@ -746,11 +747,21 @@ void run_all(int64_t M, int64_t K, const SegmentView* segs, int64_t num_segs, co
     }
     return;
   }
-#pragma omp parallel if (parallel)
-  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+  // chunks of rows: per chunk, each thread's run of groups, the back of another's once its own
+  // is done, and on to the next chunk without waiting (a static split with a barrier per chunk
+  // left the faster core waiting for the slower at each: 512-token prefills alternated in one
+  // process at avx2 on Zen 4, the default model's Q8_0 636 -> 601 ms, a Llama-3.2-1B-shape
+  // Q4_K_M 3,430 -> 3,138 ms)
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  std::vector<std::unique_ptr<StealingRange>> runs;
+  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows)
+    runs.emplace_back(new StealingRange(groups, threads, groups / (16 * threads)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  for (int64_t r0 = 0, c = 0; r0 < M; r0 += kChunkRows, ++c) {
     const int64_t rows = std::min(kChunkRows, M - r0);
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) group(r0, rows, g);
+    int64_t b, e;
+    while (runs[c]->next(omp_get_thread_num(), b, e))
+      for (int64_t g = b; g < e; ++g) group(r0, rows, g);
   }
 }
 
