@@ -42,6 +42,10 @@ def _latency(r: dict[str, Any]) -> dict[str, Any]:
     rounds = lc.get("rounds") or []
     ours_decode = [x["kvserve"]["decode_tok_per_s"] for x in rounds] or [r["decode"]["tok_per_s"]]
     out["decode"] = _best(ours_decode)
+    # decode's share of the read bandwidth: step by step (latency.measure_read_share), and the
+    # roofline's (the first round's mean rate over the best 1-second read before or after)
+    out["read_share"] = (r["decode"].get("read_share") or {}).get("median")
+    out["roofline_share"] = r["decode"].get("fraction_of_roofline")
     p512 = [p for p in r["prefill"] if p["prompt_len"] == 512]
     ours_prefill = [x["kvserve"]["prefill_tok_per_s"].get("512") for x in rounds if x["kvserve"]["prefill_tok_per_s"].get("512")]
     out["prefill"] = _best(ours_prefill) or (p512[0]["tok_per_s"] if p512 else None)
@@ -73,6 +77,12 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "—" if a is None or b is None else f"{a / b:.2f}"
 
 
+def _share(paired: float | None, roofline: float | None) -> str:
+    if paired is None and roofline is None:
+        return "—"
+    return f"{'—' if paired is None else f'{paired:.2f}'} ({'—' if roofline is None else f'{roofline:.2f}'})"
+
+
 def render(paths: list[str]) -> str:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     where = set()
@@ -87,9 +97,10 @@ def render(paths: list[str]) -> str:
     lines = [
         f"Measured on {'; '.join(sorted(where))}. Files: {', '.join(f'`{p}`' for p in paths)}.",
         "",
-        "| model file | format flags | decode tok/s | llama.cpp | ratio | prefill 512 tok/s | llama.cpp | ratio | "
+        "| model file | format flags | decode tok/s | llama.cpp | ratio | decode share of read, step by step (roofline) | "
+        "prefill 512 tok/s | llama.cpp | ratio | "
         "64x128/128 total tok/s | llama-batched-bench | ratio | peak RSS MiB | perplexity (ref) | mean KL | greedy agreement |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for (model, fmt), r in rows.items():
         ppl = "—" if r.get("ppl") is None else f"{r['ppl']:.3f} ({r['ref_ppl']:.3f})"
@@ -97,6 +108,7 @@ def render(paths: list[str]) -> str:
         greedy = "—" if r.get("greedy") is None else f"{100 * r['greedy']:.0f}%"
         lines.append(
             f"| {model} | {fmt} | {_n(r.get('decode'))} | {_n(r.get('llama_decode'))} | {_ratio(r.get('decode'), r.get('llama_decode'))} | "
+            f"{_share(r.get('read_share'), r.get('roofline_share'))} | "
             f"{_n(r.get('prefill'))} | {_n(r.get('llama_prefill'))} | {_ratio(r.get('prefill'), r.get('llama_prefill'))} | "
             f"{_n(r.get('throughput'))} | {_n(r.get('llama_throughput'))} | {_ratio(r.get('throughput'), r.get('llama_throughput'))} | "
             f"{_n(r.get('peak_rss'), 0)} | {ppl} | {kl} | {greedy} |"

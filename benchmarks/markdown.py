@@ -53,6 +53,12 @@ def latency_table(r: dict[str, Any]) -> list[str]:
         f"{_n(d['roofline_tok_per_s'])} | {100 * d['fraction_of_roofline']:.0f}% | {_n(d['step_ms']['median'], 2)} ms/step | "
         f"{d['bytes_per_step'] / 1e6:.0f} MB read per step |",
     ]
+    if "read_share" in d:  # each step between two reads of its bytes (kvserve.bench.latency.measure_read_share)
+        rs = d["read_share"]
+        lines.append(f"| decode, each step between two reads of its bytes | {rs['steps']} steps | "
+                     f"{_n(rs['decode_bytes_per_s_median'] / d['bytes_per_step'])} | "
+                     f"{_n(rs['read_bytes_per_s_median'] / d['bytes_per_step'])} | {100 * rs['median']:.0f}% | "
+                     f"quartiles {100 * rs['p25']:.0f}-{100 * rs['p75']:.0f}% | the reads' median {rs['read_bytes_per_s_median'] / 1e9:.1f} GB/s |")
     for p in r["prefill"]:
         lines.append(
             f"| prefill | {p['prompt_len']} | {_n(p['tok_per_s'])} | {_n(p['roofline_tok_per_s'])} | "

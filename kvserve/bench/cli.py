@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     lat.add_argument("--decode-context-len", type=int, default=128, help="prompt length before decoding (default 128)")
     lat.add_argument("--decode-warmup-steps", type=int, default=8, help="untimed decode steps (default 8)")
     lat.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default 64)")
+    lat.add_argument("--read-share-steps", type=int, default=32,
+                     help="decode steps each timed between two reads of the bytes a step reads, for decode's share of "
+                          "the read bandwidth as the host gives it at that moment (default 32; 0: skip)")
     lat.add_argument("--read-mib", type=float, default=None,
                      help="tensor summed to measure memory-read bandwidth, MiB (default: the bytes one decode step reads)")
     lat.add_argument("--gemm-size", type=int, default=2048, help="n of the n×n bf16 matmul measuring FLOP/s (default 2048)")

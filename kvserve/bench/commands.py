@@ -135,12 +135,14 @@ def latency(args: argparse.Namespace) -> int:
         decode_context_len=args.decode_context_len,
         decode_warmup_steps=args.decode_warmup_steps,
         decode_steps=args.decode_steps,
+        read_share_steps=args.read_share_steps,
         seed=args.seed,
     )
     _at_least("--prefill-iters", args.prefill_iters, 1)
     _at_least("--decode-context-len", args.decode_context_len, 1)
     _at_least("--decode-warmup-steps", args.decode_warmup_steps, 0)
     _at_least("--decode-steps", args.decode_steps, 1)
+    _at_least("--read-share-steps", args.read_share_steps, 0)
     if args.read_mib is not None and not args.read_mib > 0:
         raise ConfigError("--read-mib", f"must be > 0, got {args.read_mib}")
     _at_least("--gemm-size", args.gemm_size, 1)

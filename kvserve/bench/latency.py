@@ -10,9 +10,10 @@ random prompt each time so the prefix cache never hits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from statistics import median
+from statistics import median, quantiles
 from typing import Any, Callable
 
 import numpy as np
@@ -34,6 +35,7 @@ class LatencySettings:
     decode_context_len: int = 128
     decode_warmup_steps: int = 8
     decode_steps: int = 64
+    read_share_steps: int = 32  # decode steps timed between reads of their bytes (read_share); 0: none
     seed: int = 0
 
 
@@ -43,11 +45,11 @@ def check_fits(engine: LLMEngine, settings: LatencySettings) -> None:
     too_long = [n for n in settings.prompt_lens if n + 1 > limit]
     if too_long:
         raise ConfigError("--prompt-lens", f"{too_long} + 1 output token exceed max_model_len={limit}")
-    decode_len = settings.decode_context_len + settings.decode_warmup_steps + settings.decode_steps + 1
+    # the decode steps and the read-share steps each run one request of their own
+    steps, flag = max((settings.decode_steps, "--decode-steps"), (settings.read_share_steps, "--read-share-steps"))
+    decode_len = settings.decode_context_len + settings.decode_warmup_steps + steps + 1
     if decode_len > limit:
-        raise ConfigError(
-            "--decode-steps", f"context {settings.decode_context_len} + warm-up + steps = {decode_len} exceeds max_model_len={limit}"
-        )
+        raise ConfigError(flag, f"context {settings.decode_context_len} + warm-up + steps = {decode_len} exceeds max_model_len={limit}")
 
 
 def _special_ids(engine: LLMEngine) -> list[int]:
@@ -59,9 +61,12 @@ def decode_context_start(settings: LatencySettings) -> int:
     return settings.decode_context_len + settings.decode_warmup_steps + 1
 
 
-def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.Generator) -> dict[str, Any]:
+@contextlib.contextmanager
+def decoding(engine: LLMEngine, settings: LatencySettings, rng: np.random.Generator, steps: int):
+    """One batch-1 request of a random prompt, prefilled and past its warm-up steps, ready for
+    `steps` more decode steps; aborted (its KV blocks freed) on the way out, whatever happened."""
     prompt = random_token_ids(settings.decode_context_len, engine.arch.vocab_size, rng, _special_ids(engine))
-    max_tokens = 1 + settings.decode_warmup_steps + settings.decode_steps
+    max_tokens = 1 + settings.decode_warmup_steps + steps
     request_id = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     first_token_at = engine.counters.generation_tokens + 1
     try:
@@ -69,10 +74,17 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
             engine.step()  # prefill (in one or more chunks) until the first token is sampled
         for _ in range(settings.decode_warmup_steps):
             engine.step()
+        yield
+    finally:
+        engine.abort_request(request_id)
+
+
+def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.Generator) -> dict[str, Any]:
+    tp = engine.tp
+    with decoding(engine, settings, rng, settings.decode_steps):
         generated_before = engine.counters.generation_tokens
         experts_before = dataclasses.replace(engine.model.expert_counts)
         step_times_s = []
-        tp = engine.tp
         comm_before = dict(tp.comm_seconds) if tp is not None else {}
         calls_before = dict(tp.comm_calls) if tp is not None else {}
         for _ in range(settings.decode_steps):
@@ -80,8 +92,6 @@ def measure_decode(engine: LLMEngine, settings: LatencySettings, rng: np.random.
             engine.step()
             step_times_s.append(time.perf_counter() - start)
         decoded = engine.counters.generation_tokens - generated_before
-    finally:
-        engine.abort_request(request_id)
     elapsed_s = sum(step_times_s)
     out = {
         "context_len_start": decode_context_start(settings),
@@ -112,6 +122,47 @@ def expert_reads(after, before, steps: int) -> dict[str, float]:
         "experts_per_layer": (after.experts_touched - before.experts_touched) / passes,
         "expert_bytes_per_step": (after.expert_weight_bytes - before.expert_weight_bytes) / steps,
         "all_experts_bytes_per_step": (after.all_experts_bytes - before.all_experts_bytes) / steps,
+    }
+
+
+def measure_read_share(engine: LLMEngine, settings: LatencySettings, rng: np.random.Generator,
+                       bytes_per_step: float) -> dict[str, Any]:
+    """Decode's share of the memory-read bandwidth, step by step: each decode step is timed
+    between two passes of a plain read of its bytes (torch.sum over an fp32 buffer of
+    `bytes_per_step`, one pass each), and its share is the mean of those passes' times ÷ its
+    own time. The roofline's `fraction_of_roofline` divides the mean decode rate by the best
+    read rate of 1-second tests run before and after everything; on a shared host whose
+    bandwidth moves (30-60 GB/s within minutes on a 2-core Zen 4 VM here), that quotient says
+    as much about when each test ran as about the engine. Here the step and its reads see the
+    same state of the host. The median step's share, with the quartiles."""
+    steps = settings.read_share_steps
+    device = engine.config.torch_device
+    buffer = torch.ones(max(int(bytes_per_step) // 4, 1), dtype=torch.float32, device=device)
+
+    def read_s() -> float:
+        start = time.perf_counter()
+        buffer.sum().item()  # .item(): the sum has finished (and synced, on a GPU)
+        return time.perf_counter() - start
+
+    read_s()  # the buffer's page faults, before any pass is timed
+    with decoding(engine, settings, rng, steps):
+        reads_s, steps_s = [read_s()], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            steps_s.append(time.perf_counter() - start)
+            reads_s.append(read_s())
+    del buffer
+    shares = [(reads_s[i] + reads_s[i + 1]) / 2 / steps_s[i] for i in range(steps)]
+    quartiles = quantiles(shares, n=4) if steps > 1 else [shares[0]] * 3
+    return {
+        "steps": steps,
+        "bytes": int(bytes_per_step),
+        "median": median(shares),
+        "p25": quartiles[0],
+        "p75": quartiles[2],
+        "read_bytes_per_s_median": bytes_per_step / median(reads_s),
+        "decode_bytes_per_s_median": bytes_per_step / median(steps_s),
     }
 
 
@@ -167,6 +218,8 @@ def run_latency(
         bytes_per_step += experts["expert_bytes_per_step"] - (weights_read - engine.model.decode_weight_bytes(routed_experts=False))
         experts["dense_equivalent_bytes_per_step"] = bytes_per_step - experts["expert_bytes_per_step"] + experts["all_experts_bytes_per_step"]
     decode["bytes_per_step"] = bytes_per_step
+    if settings.read_share_steps:
+        decode["read_share"] = measure_read_share(engine, settings, rng, bytes_per_step)
 
     prefill = [measure_prefill(engine, n, settings.prefill_iters, rng) for n in settings.prompt_lens]
     limits_after = measure_limits(int(bytes_per_step))

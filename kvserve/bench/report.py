@@ -39,6 +39,11 @@ def print_latency(results: dict[str, Any], console: Console | None = None) -> No
                       _pct(p["fraction_of_roofline"]), f"{_f(p['time_ms']['median'])} ms",
                       f"{p['flops']['total'] / 1e9:.1f} GFLOP")
     console.print(table)
+    if "read_share" in d:
+        rs = d["read_share"]
+        console.print(f"decode's share of the read bandwidth, each of {rs['steps']} steps between two reads of its "
+                      f"{rs['bytes'] / 1e6:.0f} MB: median {_pct(rs['median'])} (quartiles {_pct(rs['p25'])}-{_pct(rs['p75'])}; "
+                      f"reads {rs['read_bytes_per_s_median'] / 1e9:.1f} GB/s, decode {rs['decode_bytes_per_s_median'] / 1e9:.1f} GB/s)")
     if "experts" in d:
         e = d["experts"]
         console.print(f"mixture of experts: {e['experts_per_layer']:.1f} experts run per sparse layer per decode step, "
