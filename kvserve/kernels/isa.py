@@ -113,6 +113,11 @@ def _sysctl_int(name: str) -> int | None:
     return value.value
 
 
+def level_flags(level: str) -> tuple[str, ...]:
+    """The CPU flags `level` needs on top of the levels below it."""
+    return _FLAGS[level]
+
+
 def cpu_has(flag: str) -> bool:
     """A /proc/cpuinfo flag of this CPU (e.g. avx512_vnni)."""
     return flag in cpu_flags()
