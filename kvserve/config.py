@@ -228,9 +228,11 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigError(field, f"must be an integer >= {lo}, got {value!r}")
         if self.quantization in ("int8", "int4") and self.torch_dtype == torch.float32:
+            # auto resolves to float32 only where no kernel level runs and torch has no bf16 matmuls
+            why = ("--dtype auto is float32 here (no CPU kernels, and no bf16 matmuls on this CPU)" if self.dtype == "auto"
+                   else "--dtype float32 is the float reference path")
             raise ConfigError(
                 "quantization",
-                f"{self.quantization} computes with bf16 activations; --dtype float32 is the float reference path "
-                "(use --quantization auto or none with it)",
+                f"{self.quantization} computes with bf16 activations; {why} (use --quantization auto or none with it)",
             )
         self.torch_kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)

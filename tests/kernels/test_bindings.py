@@ -12,11 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import api, cpu_ops
+from kvserve.kernels.isa import cpu_supports_bf16
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable here")
 needs_amx = pytest.mark.needs_amx  # skipped at levels without AMX (tests/kernels/conftest.py)
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+# the engine's own gate (kvserve/kernels/support.py onednn_linear): oneDNN packs bf16 weights only
+# where it has bf16 kernels for the CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an AVX2-only one)
+needs_onednn = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and cpu_supports_bf16()),
+                                  reason="no oneDNN bf16 kernels in this torch for this CPU")
 
 DOCUMENTED_LIMITS = {
     "gemv_max_rows": 8,

@@ -14,6 +14,7 @@ from kvserve.engine.describe import describe
 from kvserve.engine.llm import LLM
 from kvserve.errors import ConfigError
 from kvserve.kernels import cpu_ops
+from kvserve.kernels.isa import cpu_supports_bf16
 from kvserve.sampling_params import SamplingParams
 from tests.support.tiny_gguf import write_gguf
 
@@ -140,8 +141,12 @@ def test_flag_errors_name_the_flag(quant_ggufs, tiny_model_dirs):
     if cpu_ops() is not None and "quant_linear" in cpu_ops().families():
         with pytest.raises(ConfigError, match="already quantized"):
             LLM(str(quant_ggufs["Q4_0"]), quantization="int4", kv_cache_memory="8MiB")
+    # bf16 named: with the kernels off, auto is float32 on a CPU without bf16 matmuls (AVX2-only)
     with pytest.raises(ConfigError, match="quantization.*quant_linear"):
-        LLM(tiny_model_dirs["llama-gqa"], quantization="int8", cpu_kernels=False)
+        LLM(tiny_model_dirs["llama-gqa"], quantization="int8", cpu_kernels=False, dtype="bfloat16")
+    if not cpu_supports_bf16():
+        with pytest.raises(ConfigError, match="quantization.*--dtype auto is float32 here"):
+            LLM(tiny_model_dirs["llama-gqa"], quantization="int8", cpu_kernels=False)
 
 
 def test_an_unknown_tensor_type_is_named(quant_ggufs, tmp_path):
