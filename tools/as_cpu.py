@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvserve.errors import ConfigError
 from kvserve.kernels import isa
 
 # below avx512 a real CPU has none of these (Zen 1-3; Intel client chips' AVX-VNNI is hidden too,
@@ -85,11 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command: python -m tools.as_cpu LEVEL -- COMMAND [ARG ...]")
-    if isa.machine_arch() != "x86_64":
-        parser.error(f"this machine is {isa.machine_arch() or 'of another architecture'}; the levels are x86's")
-    try:
+    try:  # a level above this CPU's (flags can be hidden, not added), or a machine not x86's
         isa.check_level(args.level, "level")
-    except Exception as e:  # a level above this CPU's: flags cannot be added, only hidden
+    except ConfigError as e:
         parser.error(str(e))
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         parser.error("needs root and util-linux's unshare (a mount namespace replaces /proc/cpuinfo)")
@@ -98,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.NamedTemporaryFile("w", prefix="kvserve-cpuinfo-", suffix=".txt", delete=False) as f:
         f.write(masked_cpuinfo(text, hide))
     try:
-        env = {**os.environ, **torch_env(args.level)}
+        held = torch_env(args.level)
         print(f"as_cpu: level {args.level}: /proc/cpuinfo without {len(hide)} flags ({' '.join(sorted(hide)) or 'none'})"
-              + "".join(f", {k}={v}" for k, v in torch_env(args.level).items()), file=sys.stderr, flush=True)
+              + "".join(f", {k}={v}" for k, v in held.items()), file=sys.stderr, flush=True)
         # sh's $0 is the copy's path; the command follows as "$@"
         script = 'mount --bind "$0" /proc/cpuinfo && exec "$@"'
-        return subprocess.call(["unshare", "-m", "--propagation", "private", "sh", "-c", script, f.name, *command], env=env)
+        return subprocess.call(["unshare", "-m", "--propagation", "private", "sh", "-c", script, f.name, *command],
+                               env={**os.environ, **held})
     finally:
         os.unlink(f.name)
 
